@@ -1,0 +1,106 @@
+"""Writes random-weight Ouro checkpoints in the exact HF layout, for tests and benchmarks.
+
+Owns: config.json, generation_config.json and safetensors files (single or sharded with an index)
+for any `OuroConfig`. Must not: be used to save trained models silently over existing files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from loopserve.models.loader import INDEX_FILE, SINGLE_FILE, expected_tensors
+from loopserve.models.ouro_config import OuroConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RandomInit:
+    """How random weights are drawn. Defaults give decisive logits even in tiny models."""
+
+    # Std of every linear weight as a multiple of 1/sqrt(fan_in).
+    weight_scale: float = 1.0
+    # Std of the embedding table.
+    embedding_std: float = 1.0
+    # The exit gate: std of its weight (times 1/sqrt(hidden)) and its bias. A larger std spreads
+    # the exit hazards so that gate-driven exits really vary between tokens.
+    gate_scale: float = 1.0
+    gate_bias: float = 0.0
+    # Norm weights are 1 + N(0, norm_jitter).
+    norm_jitter: float = 0.1
+
+
+def random_state_dict(
+    config: OuroConfig, seed: int = 0, dtype: torch.dtype = torch.float32, init: RandomInit | None = None
+) -> dict[str, torch.Tensor]:
+    init = init or RandomInit()
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in expected_tensors(config).items():
+        if name == "model.early_exit_gate.bias":
+            tensor = torch.full(shape, init.gate_bias)
+        elif name.endswith("norm.weight"):
+            tensor = 1.0 + init.norm_jitter * torch.randn(shape, generator=generator)
+        elif name == "model.embed_tokens.weight":
+            tensor = init.embedding_std * torch.randn(shape, generator=generator)
+        else:
+            scale = init.gate_scale if "early_exit_gate" in name else init.weight_scale
+            std = scale / math.sqrt(shape[-1])
+            tensor = std * torch.randn(shape, generator=generator)
+        tensors[name] = tensor.to(dtype).contiguous()
+    return tensors
+
+
+def write_checkpoint(
+    directory: str | Path,
+    config: OuroConfig,
+    tensors: dict[str, torch.Tensor],
+    *,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write config, generation config and weights; shard when the weights exceed max_shard_bytes."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    metadata = {"format": "pt"}
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, str(directory / SINGLE_FILE), metadata=metadata)
+        return directory
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return directory
+
+
+def write_random_checkpoint(
+    directory: str | Path,
+    config: OuroConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init: RandomInit | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """A random-weight checkpoint in the HF layout that `load_checkpoint` (and HF) can read."""
+    tensors = random_state_dict(config, seed=seed, dtype=dtype, init=init)
+    return write_checkpoint(directory, config, tensors, max_shard_bytes=max_shard_bytes)

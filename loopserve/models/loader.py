@@ -1,0 +1,207 @@
+"""Native safetensors loading of Ouro checkpoints (single file or sharded), and dummy weights.
+
+Owns: finding the checkpoint files, validating every tensor name, shape and dtype against the config
+*before* allocating the model, and copying the weights onto the target device in the target dtype.
+Must not: execute checkpoint code, or read anything but config.json, generation_config.json and
+safetensors files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.ouro_config import ConfigError, OuroConfig
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config, with what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """What generation_config.json adds: extra stop ids and the checkpoint's default exit threshold."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in SAFETENSORS_DTYPES.values():
+            raise ValueError(f"dtype {name} is not supported; use float32, bfloat16 or float16")
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {name!r}; choose one of float32, bfloat16, float16"
+        ) from None
+
+
+def expected_tensors(config: OuroConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name an HF Ouro checkpoint must hold, with its shape."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+        "model.early_exit_gate.weight": (1, hidden),
+        "model.early_exit_gate.bias": (1,),
+    }
+    for index in range(config.num_hidden_layers):
+        prefix = f"model.layers.{index}"
+        shapes[f"{prefix}.self_attn.q_proj.weight"] = (q_size, hidden)
+        shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_size, hidden)
+        shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_size, hidden)
+        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_size)
+        shapes[f"{prefix}.mlp.gate_proj.weight"] = (inner, hidden)
+        shapes[f"{prefix}.mlp.up_proj.weight"] = (inner, hidden)
+        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, inner)
+        for norm in (
+            "input_layernorm",
+            "input_layernorm_2",
+            "post_attention_layernorm",
+            "post_attention_layernorm_2",
+        ):
+            shapes[f"{prefix}.{norm}.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def checkpoint_files(directory: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it."""
+    index_path = directory / INDEX_FILE
+    single = directory / SINGLE_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({error})") from None
+        files = {name: directory / file for name, file in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.exists():
+                raise CheckpointError(f"{index_path} names shard {path.name}, which is missing")
+        return files
+    if single.exists():
+        with safe_open(single, framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), single)
+    raise CheckpointError(
+        f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints load)"
+    )
+
+
+def validate_checkpoint(config: OuroConfig, files: dict[str, Path]) -> None:
+    """Check names, shapes and dtypes from the file headers only; raise on the first mismatch."""
+    expected = expected_tensors(config)
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    unexpected = sorted(set(files) - set(expected))
+    if config.tie_word_embeddings and unexpected == ["lm_head.weight"]:
+        unexpected = []
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        raise CheckpointError(f"checkpoint has unexpected tensor(s) not in an Ouro model: {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for name in names:
+                view = handle.get_slice(name)
+                shape = tuple(view.get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"tensor {name} in {path.name} has shape {list(shape)}, but the config "
+                        f"implies {list(expected[name])}"
+                    )
+                if view.get_dtype() not in SAFETENSORS_DTYPES:
+                    raise CheckpointError(
+                        f"tensor {name} in {path.name} has dtype {view.get_dtype()}; "
+                        "only F32, BF16 and F16 weights are supported"
+                    )
+
+
+def read_generation_defaults(directory: Path) -> GenerationDefaults:
+    path = directory / "generation_config.json"
+    if not path.exists():
+        return GenerationDefaults()
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON ({error})") from None
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return GenerationDefaults(eos_token_ids=tuple(int(token) for token in eos_ids))
+
+
+def _empty_model(config: OuroConfig, dtype: torch.dtype, device: torch.device) -> OuroForCausalLM:
+    with torch.device("meta"):
+        model = OuroForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def load_checkpoint(
+    directory: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> OuroForCausalLM:
+    """Load an HF-layout Ouro checkpoint directory onto `device` in `dtype`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory (expected an HF checkpoint folder)")
+    config = OuroConfig.from_file(directory / "config.json")
+    files = checkpoint_files(directory)
+    validate_checkpoint(config, files)
+    model = _empty_model(config, dtype, torch.device(device))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_file: dict[Path, list[str]] = {}
+    for name in expected_tensors(config):
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for name in names:
+                params[name].copy_(handle.get_tensor(name).to(dtype))
+    logger.info("loaded %s (%d tensors, %s)", directory, len(params), dtype)
+    return model
+
+
+def dummy_model(
+    config: OuroConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> OuroForCausalLM:
+    """Random weights with no file at all (benchmarks); initialised on the device itself."""
+    model = _empty_model(config, dtype, torch.device(device))
+    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+    return model

@@ -1,0 +1,60 @@
+"""Device storage of the paged KV cache.
+
+Owns: one tensor holding every page of every layer, and whole-slot copies between pages (the
+copy-on-exit of the `full` layout). Must not: decide which page belongs to whom (that is the
+torch-free `KVCacheManager`), or know about planes: a page is a page, whichever plane it serves.
+
+Layout: `cache[layer, 0 = K | 1 = V, page, offset, kv_head, head_dim]`. A flat *slot* is
+`page * block_size + offset`. Page 0 is the null page: padding entries of page tables point at it
+and padding rows write their K/V into it; nothing real is ever stored there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NULL_PAGE = 0
+
+
+class KVStorage:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # [L, 2, pages, block, Nkv, D]
+        self.cache = torch.zeros(
+            num_layers, 2, num_pages, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """[pages, block, Nkv, D] view of one layer's keys."""
+        return self.cache[layer, 0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        return self.cache[layer, 1]
+
+    def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy K and V of every layer from flat slots `source` [N] to `destination` [N]."""
+        flat = self.cache.view(
+            self.num_layers, 2, self.num_pages * self.block_size, self.num_kv_heads, self.head_dim
+        )
+        flat[:, :, destination] = flat[:, :, source]

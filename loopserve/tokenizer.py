@@ -1,0 +1,62 @@
+"""Text <-> token ids through a checkpoint's `tokenizer.json` (the `tokenizers` library).
+
+Owns: loading the tokenizer and its chat template (from tokenizer_config.json) and plain
+encode/decode. Must not: import torch. A checkpoint without tokenizer.json has no tokenizer; prompts
+must then be token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, backend: Any, config: dict[str, Any]) -> None:
+        self._backend = backend
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token: str | None = _token_text(config.get("bos_token"))
+        self.eos_token: str | None = _token_text(config.get("eos_token"))
+        self.special_ids = frozenset(
+            index
+            for index, token in backend.get_added_tokens_decoder().items()
+            if getattr(token, "special", False)
+        )
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> Tokenizer | None:
+        """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+        from tokenizers import Tokenizer as BackendTokenizer
+
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.exists():
+            return None
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        return cls(BackendTokenizer.from_file(str(path)), config)
+
+    @property
+    def vocab_size(self) -> int:
+        size: int = self._backend.get_vocab_size(with_added_tokens=True)
+        return size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        index: int | None = self._backend.token_to_id(token)
+        return index
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
