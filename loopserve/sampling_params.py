@@ -103,7 +103,7 @@ class ResolvedParams:
     min_loops: int
     max_loops: int
     exit_threshold: float
-    stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) plus params.stop_token_ids
+    eos_token_ids: frozenset[int]  # the model's end-of-sequence ids; empty with ignore_eos
 
     @property
     def fixed_depth(self) -> bool:

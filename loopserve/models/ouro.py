@@ -51,7 +51,7 @@ class RotaryEmbedding:
     """
 
     def __init__(self, head_dim: int, theta: float) -> None:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self._inv_freq = 1.0 / (theta**exponents)  # [D/2] fp32, on the CPU until first use
 
     def __call__(

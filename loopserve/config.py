@@ -1,0 +1,82 @@
+"""Engine configuration: frozen intent, as the user gave it.
+
+Owns: `EngineConfig` and its validation. Must not: hold anything resolved at run time (the number of
+KV pages, the chosen attention backend, the device dtype, eos ids): the engine keeps those in its
+own `EngineRuntime`, and never writes them back here. Must not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loopserve.engine.scheduler import SchedulerConfig
+from loopserve.engine.trace import D2_6
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # Checkpoint directory (HF layout); None runs the built-in tiny model shipped in the package.
+    model: str | None = None
+    # "auto": read safetensors weights; "dummy": random weights from config.json alone.
+    load_format: str = "auto"
+    # "cpu", "cuda" or "cuda:N".
+    device: str = "cpu"
+    # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
+    dtype: str = "auto"
+    # "full" (one KV plane per loop, exact) or "shared" (final versions only after prefill).
+    kv_layout: str = "full"
+    # "auto" or a registered backend name ("torch", "triton", ...).
+    attention_backend: str = "auto"
+    # Tokens per KV page.
+    block_size: int = 16
+    # Exact number of KV pages (including the null page); None sizes the cache from memory.
+    num_kv_pages: int | None = None
+    # CPU: memory given to KV pages when num_kv_pages is None.
+    kv_cache_memory_gb: float = 1.0
+    # CUDA: fraction of GPU memory the engine may use in total (weights, activations, KV).
+    gpu_memory_utilization: float = 0.9
+    # Longest prompt + output; None takes the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Requests admitted at once.
+    max_num_seqs: int = 64
+    # Decode rows plus prompt-chunk tokens per step.
+    max_num_batched_tokens: int = 2048
+    # Longest prompt chunk of one request per step.
+    prefill_chunk_size: int = 512
+    # "refill" (continuous depth batching) or "no_refill" (cohorts drain first).
+    scheduling: str = "refill"
+    # "ouro" (exact gate exits), "ouro_delayed" (stop one loop after the gate says so), "trace".
+    exit_mode: str = "ouro"
+    # P(depth = 1, 2, ...) for traced tokens without explicit depths (trace mode).
+    trace_distribution: tuple[float, ...] = D2_6
+    # Seed of the engine's generator (draws seeds for requests that give none, dummy weights).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_cache_memory_gb must be positive")
+        if self.num_kv_pages is not None and self.num_kv_pages < 2:
+            raise ValueError("num_kv_pages must be at least 2 (page 0 is the null page)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        self.scheduler_config()  # validates the scheduling fields
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            prefill_chunk_size=self.prefill_chunk_size,
+            scheduling=self.scheduling,
+            exit_mode=self.exit_mode,
+            kv_layout=self.kv_layout,
+            block_size=self.block_size,
+            trace_distribution=self.trace_distribution,
+        )

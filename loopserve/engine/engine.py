@@ -1,0 +1,230 @@
+"""The engine: requests in, one step at a time, `RequestOutput`s out.
+
+Owns: request validation at the boundary, resolving per-request defaults (`ResolvedParams`), the
+schedule -> execute -> update loop, detokenization and stop strings, and statistics.
+Must not: touch device tensors (the runner does) or make batching decisions (the scheduler does).
+
+Lifecycle of a request: `add_request` validates and queues it -> `step` admits it when a slot and
+its KV reservation are free -> prompt chunks run through every loop -> the first token is sampled
+-> each later token runs loop by loop until it exits -> it finishes (stop, length or `abort`) and
+frees its slot and pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loopserve.config import EngineConfig
+from loopserve.engine.detokenizer import IncrementalDetokenizer
+from loopserve.engine.kv_manager import KVCacheManager
+from loopserve.engine.scheduler import Scheduler
+from loopserve.engine.trace import validate_distribution
+from loopserve.models.builtin import resolve_model_dir
+from loopserve.models.loader import read_generation_defaults
+from loopserve.outputs import RequestMetrics, RequestOutput
+from loopserve.request import Request
+from loopserve.runner.setup import build_runner
+from loopserve.sampling_params import ResolvedParams, SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_total: int  # usable pages (the null page excluded)
+    kv_pages_used: int
+    kv_pages_free: int
+    steps: int
+    decode_steps: int
+    # Occupancy: decode rows per decode step, and rows executed at each loop index.
+    mean_rows_per_decode_step: float
+    row_loops_by_loop: dict[int, int]
+    rows_per_step: dict[int, int]
+    prefill_tokens: int
+    generated_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        self.runner, self.runtime = build_runner(config, model_dir)
+        self.model_config = self.runner.model.config
+        validate_distribution(config.trace_distribution, self.model_config.num_loops)
+        self.tokenizer = Tokenizer.from_directory(model_dir)
+        generation = read_generation_defaults(model_dir)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids + generation.eos_token_ids)
+        self.kv = KVCacheManager(self.runtime.num_kv_pages, config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
+        self._seed_rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runtime.max_model_len
+
+    # ----- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self._prompt_ids(prompt)
+        resolved = self.resolve(params)
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the maximum model length {self.max_model_len}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=resolved,
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
+            prompt=text,
+            priority=priority,
+        )
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
+            )
+        return request_id
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: give the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(token) for token in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [token for token in ids if not 0 <= token < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def resolve(self, params: SamplingParams) -> ResolvedParams:
+        """Fill in the engine's defaults for one request."""
+        loops = self.model_config.num_loops
+        max_loops = params.max_loops if params.max_loops is not None else loops
+        if max_loops > loops:
+            raise ValueError(f"max_loops {max_loops} exceeds the model's loop count ({loops})")
+        if params.min_loops > max_loops:
+            raise ValueError(f"min_loops {params.min_loops} exceeds max_loops {max_loops}")
+        threshold = params.exit_threshold
+        if threshold is None:
+            threshold = self.model_config.early_exit_threshold
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return ResolvedParams(
+            params=params,
+            seed=seed,
+            min_loops=params.min_loops,
+            max_loops=max_loops,
+            exit_threshold=threshold,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free what it holds; returns its final output (None if unknown)."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        request.metrics.finished_time = time.monotonic()
+        return self._output(request, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ----- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that changed."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        now = time.monotonic()
+        for chunk in scheduled.prefill_chunks:
+            metrics = self._requests[chunk.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        result = self.runner.execute(scheduled)
+        changed = self.scheduler.update(scheduled, result)
+        now = time.monotonic()
+        return [self._after_token(request, now) for request in changed]
+
+    def _after_token(self, request: Request, now: float) -> RequestOutput:
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
+        new_ids = request.output_token_ids[-1:]
+        new_text = ""
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            new_text, stop = detokenizer.add(new_ids)
+            if stop is not None and not request.finished:
+                self.scheduler.finish(request, "stop", stop_reason=stop)
+        if request.finished:
+            metrics.finished_time = now
+        return self._output(request, new_ids, new_text)
+
+    def _output(self, request: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        detokenizer = self._detokenizers.get(request.request_id)
+        if request.finished:
+            self._requests.pop(request.request_id, None)
+            self._detokenizers.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=detokenizer.text if detokenizer is not None else "",
+            exit_depths=list(request.exit_depths),
+            logprobs=list(request.logprobs) if request.params.params.logprobs is not None else None,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            metrics=request.metrics,
+            stop_reason=request.stop_reason,
+        )
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_total=self.kv.num_usable_pages,
+            kv_pages_used=self.kv.num_used_pages,
+            kv_pages_free=self.kv.num_free_pages,
+            steps=scheduler.steps,
+            decode_steps=scheduler.decode_steps,
+            mean_rows_per_decode_step=scheduler.mean_rows_per_decode_step,
+            row_loops_by_loop=dict(sorted(scheduler.row_loops.items())),
+            rows_per_step=dict(sorted(scheduler.rows_per_step.items())),
+            prefill_tokens=scheduler.prefill_tokens,
+            generated_tokens=scheduler.generated_tokens,
+        )

@@ -1,0 +1,44 @@
+"""Seeded exit-depth traces for the `trace` exit mode (benchmarks and tests).
+
+Owns: the depth a traced token exits at when its request gives no explicit list. Must not: import
+torch. The depth of a request's k-th decode computation depends only on (seed, k), so it is the same
+whatever the batch, the arrival order or the scheduling mode, and the serial reference draws the
+same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# The standard distribution "d2.6" of BENCHMARKS.md: P(depth = 1, 2, 3, 4).
+D2_6: tuple[float, ...] = (0.10, 0.40, 0.30, 0.20)
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def traced_depth(seed: int, decode_index: int, distribution: Sequence[float]) -> int:
+    """Depth (1-based) drawn from `distribution` (P(depth = 1..len)) for one decode computation."""
+    draw = _splitmix64(_splitmix64(seed) ^ decode_index) / 2.0**64
+    total = sum(distribution)
+    cumulative = 0.0
+    for depth, probability in enumerate(distribution, start=1):
+        cumulative += probability / total
+        if draw < cumulative:
+            return depth
+    return len(distribution)
+
+
+def validate_distribution(distribution: Sequence[float], max_loops: int) -> None:
+    if not distribution or len(distribution) > max_loops:
+        raise ValueError(
+            f"a trace distribution needs 1..{max_loops} probabilities (one per depth), "
+            f"got {len(distribution)}"
+        )
+    if any(p < 0 for p in distribution) or sum(distribution) <= 0:
+        raise ValueError("trace distribution probabilities must be >= 0 and not all zero")

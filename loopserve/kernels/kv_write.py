@@ -1,0 +1,94 @@
+"""Triton kernel that stores one layer's new K/V into flat slots of the paged cache.
+
+Owns: the scatter `cache[slot // block, slot % block] = k[token]` (and the same for V).
+Must not: choose slots (the runner's `slot_mapping` does) or touch any slot it was not given.
+
+Padding tokens carry slots of the null page; several of them may write the same null slot, which
+is harmless because nothing ever reads the null page.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,  # [T, Nkv, D]
+    v_ptr,  # [T, Nkv, D]
+    key_cache_ptr,  # [pages, block, Nkv, D]
+    value_cache_ptr,  # [pages, block, Nkv, D], same strides as the key cache
+    slot_ptr,  # [T] int64
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_page,
+    stride_cache_offset,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    # slot = page * BLOCK_SIZE + offset, 0 <= offset < BLOCK_SIZE
+    destination = (
+        (slot // BLOCK_SIZE) * stride_cache_page
+        + (slot % BLOCK_SIZE) * stride_cache_offset
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
+    )
+    k = tl.load(
+        k_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :], mask
+    )
+    v = tl.load(
+        v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :], mask
+    )
+    tl.store(key_cache_ptr + destination, k, mask)
+    tl.store(value_cache_ptr + destination, v, mask)
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Nkv, D]
+    v: torch.Tensor,  # [T, Nkv, D]
+    key_cache: torch.Tensor,  # [pages, block, Nkv, D]
+    value_cache: torch.Tensor,  # [pages, block, Nkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Store k/v of every token into its flat slot of one layer's cache (one launch)."""
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
+        raise ValueError("key and value caches must share strides with a contiguous head dim")
+    tokens, num_kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    _write_kv_kernel[(tokens,)](
+        k,
+        v,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        BLOCK_SIZE=key_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

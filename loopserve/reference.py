@@ -1,0 +1,233 @@
+"""The serial reference: one request at a time, dense per-loop K/V, written to be read.
+
+Owns: the definition-by-code of ARCHITECTURE.md §1–3 for both KV layouts and every exit mode. Every
+fast path (the engine, its kernels, the evaluators) is tested against it, and users can run it to
+check the engine on their own checkpoint. Must not: batch, page, or optimise anything.
+
+It shares with the engine only what *defines* the behaviour: the model's math, the fp32 exit rule
+(`models.exit_rule`), the seeded sampler and the seeded exit traces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from loopserve.engine.scheduler_output import SamplingInfo
+from loopserve.engine.trace import D2_6, traced_depth
+from loopserve.models.exit_rule import next_survival, threshold_reached
+from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.outputs import TokenLogprobs
+from loopserve.sampling_params import ResolvedParams
+from loopserve.sample.sampler import SamplingBatch, sample
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Plain softmax attention in fp32. q [Q, Nq, D] are the last Q of C positions keys/values
+    [C, Nkv, D]; with `causal`, query i sees positions <= C - Q + i. Returns [Q, Nq, D]."""
+    groups = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(groups, dim=1)
+    values = values.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * q.shape[-1] ** -0.5
+    if causal:
+        num_queries, context = q.shape[0], keys.shape[0]
+        allowed = torch.arange(context)[None, :] <= torch.arange(context - num_queries, context)[:, None]
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(q.dtype)
+
+
+@dataclass
+class ReferenceOutput:
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # [V] fp32 that produced each token
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class _DenseKV:
+    """K/V per plane and layer: keys[plane][layer] is [positions, Nkv, D]."""
+
+    def __init__(self, num_planes: int, num_layers: int) -> None:
+        self.keys: list[list[torch.Tensor | None]] = [[None] * num_layers for _ in range(num_planes)]
+        self.values: list[list[torch.Tensor | None]] = [[None] * num_layers for _ in range(num_planes)]
+
+    def append(self, plane: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        old_k, old_v = self.keys[plane][layer], self.values[plane][layer]
+        self.keys[plane][layer] = k if old_k is None else torch.cat([old_k, k])
+        self.values[plane][layer] = v if old_v is None else torch.cat([old_v, v])
+
+    def get(self, plane: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[plane][layer], self.values[plane][layer]
+        assert keys is not None and values is not None
+        return keys, values
+
+
+class SerialReference:
+    """Generates for one request at a time, exactly as the specification says."""
+
+    def __init__(
+        self,
+        model: OuroForCausalLM,
+        kv_layout: str = "full",
+        exit_mode: str = "ouro",
+        trace_distribution: Sequence[float] = D2_6,
+    ) -> None:
+        if kv_layout not in ("full", "shared"):
+            raise ValueError(f"kv_layout must be 'full' or 'shared', got {kv_layout!r}")
+        if exit_mode not in ("ouro", "ouro_delayed", "trace"):
+            raise ValueError(f"unknown exit_mode {exit_mode!r}")
+        self.model = model
+        self.kv_layout = kv_layout
+        self.exit_mode = exit_mode
+        self.trace_distribution = tuple(trace_distribution)
+        self.device = model.model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: ResolvedParams,
+        forced_tokens: list[int] | None = None,
+    ) -> ReferenceOutput:
+        """Generate (or, with `forced_tokens`, teacher-force) one request's continuation."""
+        layers = self.model.config.num_hidden_layers
+        kv = _DenseKV(params.max_loops, layers)
+        out = ReferenceOutput()
+        hidden = self._prefill(prompt_ids, params.max_loops, kv)
+        # `shared`: after prefill only the final version of each token is kept.
+        final = _DenseKV(1, layers)
+        for layer in range(layers):
+            final.append(0, layer, *kv.get(params.max_loops - 1, layer))
+        depth = params.max_loops
+        while True:
+            token = self._coda(hidden, params, out, forced_tokens)
+            out.exit_depths.append(depth)
+            if self._finished(token, params, out, forced_tokens):
+                return out
+            position = len(prompt_ids) + len(out.token_ids) - 1
+            hidden, depth = self._decode(token, position, params, len(out.token_ids) - 1, kv, final)
+
+    def _prefill(self, prompt_ids: list[int], num_loops: int, kv: _DenseKV) -> torch.Tensor:
+        """Every prompt token through every loop; loop d writes and reads plane d - 1."""
+        ids = torch.tensor(prompt_ids, device=self.device)
+        cos, sin = self.model.rope(torch.arange(len(prompt_ids), device=self.device))
+        hidden = self.model.embed(ids)
+        for loop in range(1, num_loops + 1):
+
+            def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int = loop - 1) -> torch.Tensor:
+                kv.append(plane, layer, k, v)
+                return attend(q, *kv.get(plane, layer), causal=True)
+
+            hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
+        return hidden[-1:]
+
+    def _decode(
+        self,
+        token: int,
+        position: int,
+        params: ResolvedParams,
+        decode_index: int,
+        kv: _DenseKV,
+        final: _DenseKV,
+    ) -> tuple[torch.Tensor, int]:
+        """Run one generated token through loops until it exits; returns (hidden [1, H], depth)."""
+        cos, sin = self.model.rope(torch.tensor([position], device=self.device))
+        hidden = self.model.embed(torch.tensor([token], device=self.device))
+        survival = torch.ones(1, dtype=torch.float32, device=self.device)
+        stop_after_this_loop = False
+        written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for loop in range(1, params.max_loops + 1):
+
+            def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int = loop - 1) -> torch.Tensor:
+                written[layer] = (k, v)
+                if self.kv_layout == "full":
+                    kv.append(plane, layer, k, v)  # its loop-d version, at position `position`
+                    return attend(q, *kv.get(plane, layer), causal=False)
+                # `shared`: earlier tokens through their final version, itself at this loop.
+                keys, values = final.get(0, layer)
+                return attend(q, torch.cat([keys, k]), torch.cat([values, v]), causal=False)
+
+            hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
+            if loop == params.max_loops:
+                break
+            if self.exit_mode == "trace":
+                if loop >= self._trace_depth(params, decode_index):
+                    break
+                continue
+            if params.fixed_depth:
+                continue
+            if stop_after_this_loop:
+                break
+            survival = next_survival(survival, self.model.exit_probability(hidden))
+            test = bool(threshold_reached(survival, loop, params.min_loops, params.exit_threshold))
+            if test and self.exit_mode == "ouro":
+                break
+            if test and self.exit_mode == "ouro_delayed":
+                stop_after_this_loop = True
+        for layer, (k, v) in written.items():
+            if self.kv_layout == "full":
+                for plane in range(loop, params.max_loops):  # deeper planes read the exit version
+                    kv.append(plane, layer, k, v)
+            else:
+                final.append(0, layer, k, v)
+        return hidden, loop
+
+    def _trace_depth(self, params: ResolvedParams, decode_index: int) -> int:
+        depth = params.trace_depth(decode_index)
+        if depth is None:
+            if params.params.trace_depths is not None:
+                depth = params.max_loops
+            else:
+                depth = traced_depth(params.seed, decode_index, self.trace_distribution)
+        return max(params.min_loops, min(depth, params.max_loops))
+
+    def _coda(
+        self,
+        hidden: torch.Tensor,
+        params: ResolvedParams,
+        out: ReferenceOutput,
+        forced_tokens: list[int] | None,
+    ) -> int:
+        logits = self.model.compute_logits(hidden)  # [1, V]
+        info = SamplingInfo(params.params, params.seed, len(out.token_ids))
+        batch = SamplingBatch.build([info], self.model.config.vocab_size, self.device)
+        result = sample(logits, batch)
+        token = int(result.tokens[0]) if forced_tokens is None else forced_tokens[len(out.token_ids)]
+        out.logits.append(logits[0])
+        out.token_ids.append(token)
+        count = params.params.logprobs
+        if count is not None:
+            logprobs = logits[0].log_softmax(-1)
+            top = logprobs.topk(count)
+            alternatives = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            out.logprobs.append(TokenLogprobs(token, float(logprobs[token]), alternatives))
+        return token
+
+    def _finished(
+        self, token: int, params: ResolvedParams, out: ReferenceOutput, forced: list[int] | None
+    ) -> bool:
+        if forced is not None:
+            out.finish_reason = "length" if len(out.token_ids) == len(forced) else None
+        elif token in params.eos_token_ids or token in params.params.stop_token_ids:
+            out.finish_reason = "stop"
+        elif len(out.token_ids) >= params.params.max_tokens:
+            out.finish_reason = "length"
+        return out.finish_reason is not None
+
+
+@torch.inference_mode()
+def dense_logits(model: OuroForCausalLM, token_ids: list[int], num_loops: int) -> torch.Tensor:
+    """Cache-free full recompute at fixed depth: logits [N, V] of every position."""
+    device = model.model.embed_tokens.weight.device
+    cos, sin = model.rope(torch.arange(len(token_ids), device=device))
+    hidden = model.embed(torch.tensor(token_ids, device=device))
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend(q, k, v, causal=True)
+
+    for _ in range(num_loops):
+        hidden = model.run_loop(hidden, LoopContext(cos, sin, attention))
+    return model.compute_logits(hidden)

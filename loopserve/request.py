@@ -1,0 +1,79 @@
+"""A request as the scheduler sees it: prompt, progress, and the state of its in-flight token.
+
+Owns: `Request` and its derived positions. Must not: import torch.
+
+Lifecycle: WAITING -> RUNNING (admitted: a slot and a KV reservation) -> FINISHED. While RUNNING a
+request first prefills its prompt in chunks (`num_computed_tokens` chases `num_prompt_tokens`), then
+decodes: its newest output token is *in flight*, running loop `next_loop` of the shared stack; when
+it exits, the coda samples the next token, which starts again at loop 1.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from loopserve.outputs import RequestMetrics, TokenLogprobs
+from loopserve.sampling_params import ResolvedParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: ResolvedParams
+    metrics: RequestMetrics
+    prompt: str | None = None
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prompt tokens whose K/V exist at every loop.
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    # The in-flight token: the loop it runs next (1-based), its survival Π(1 − λ) so far (an fp32
+    # value), and, in `ouro_delayed` mode, whether its exit test already held (it stops after
+    # `next_loop`).
+    next_loop: int = 1
+    survival: float = 1.0
+    stop_after_next_loop: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def position(self) -> int:
+        """Position of the in-flight token (the newest output token)."""
+        return self.num_prompt_tokens + self.num_output_tokens - 1
+
+    @property
+    def decode_index(self) -> int:
+        """How many decode computations finished before the in-flight one."""
+        return self.num_output_tokens - 1
+
+    def start_next_token(self) -> None:
+        self.next_loop = 1
+        self.survival = 1.0
+        self.stop_after_next_loop = False

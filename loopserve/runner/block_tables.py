@@ -1,0 +1,92 @@
+"""Device page tables per (request slot, plane), and attention metadata built from them.
+
+Owns: the int32 table `[slot, plane, page index] -> page id` kept in step with the scheduler's
+`PageTableUpdate`s, and the construction of `AttentionMetadata` for decode rows and prompt chunks.
+Must not: decide anything; it mirrors the torch-free KV manager on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from loopserve.attention.metadata import AttentionMetadata
+from loopserve.engine.kv_manager import NULL_PAGE, pages_for
+from loopserve.engine.scheduler_output import PageTableUpdate
+
+
+class BlockTables:
+    def __init__(
+        self, max_num_seqs: int, num_planes: int, max_pages: int, block_size: int, device: torch.device
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        # [slots, planes, pages] int32, NULL_PAGE where nothing is mapped
+        self.tables = torch.full(
+            (max_num_seqs, num_planes, max_pages), NULL_PAGE, dtype=torch.int32, device=device
+        )
+
+    def apply(self, updates: Sequence[PageTableUpdate], cleared_slots: Sequence[int]) -> None:
+        """Clear freed slots first (a slot may be reused by this very step), then add pages."""
+        if cleared_slots:
+            self.tables[list(cleared_slots)] = NULL_PAGE
+        for update in updates:
+            end = update.start + len(update.page_ids)
+            self.tables[update.slot, update.plane, update.start : end] = torch.tensor(
+                update.page_ids, dtype=torch.int32
+            )
+
+    def decode_metadata(
+        self, slots: torch.Tensor, planes: torch.Tensor, positions: torch.Tensor, positions_host: list[int]
+    ) -> AttentionMetadata:
+        """One query per row; row r reads and writes plane planes[r] of slot slots[r].
+
+        slots, planes, positions: [R] int64 on the device.
+        """
+        rows = len(positions_host)
+        max_seq_len = max(positions_host) + 1
+        width = pages_for(max_seq_len, self.block_size)
+        page_table = self.tables[slots, planes, :width]  # [R, width]
+        seq_lens = (positions + 1).to(torch.int32)
+        return AttentionMetadata(
+            query_start=torch.arange(rows + 1, dtype=torch.int32, device=self.device),
+            seq_lens=seq_lens,
+            page_table=page_table,
+            slot_mapping=self._slots(page_table, torch.arange(rows, device=self.device), positions),
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_start_host=list(range(rows + 1)),
+            seq_lens_host=[position + 1 for position in positions_host],
+        )
+
+    def prefill_metadata(
+        self,
+        slots: torch.Tensor,  # [S] int64
+        plane: int,
+        positions: torch.Tensor,  # [T] int64
+        sequence_of_token: torch.Tensor,  # [T] int64: which sequence each query token belongs to
+        query_start_host: list[int],
+        seq_lens_host: list[int],
+    ) -> AttentionMetadata:
+        """Packed chunks of S sequences, all reading and writing one plane."""
+        max_seq_len = max(seq_lens_host)
+        width = pages_for(max_seq_len, self.block_size)
+        page_table = self.tables[slots, plane, :width]  # [S, width]
+        return AttentionMetadata(
+            query_start=torch.tensor(query_start_host, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens_host, dtype=torch.int32, device=self.device),
+            page_table=page_table,
+            slot_mapping=self._slots(page_table, sequence_of_token, positions),
+            max_query_len=max(b - a for a, b in zip(query_start_host, query_start_host[1:])),
+            max_seq_len=max_seq_len,
+            query_start_host=query_start_host,
+            seq_lens_host=seq_lens_host,
+        )
+
+    def _slots(
+        self, page_table: torch.Tensor, row: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Flat KV slot of each token: page_table[row, pos // block] * block + pos % block."""
+        pages = page_table[row, positions // self.block_size].to(torch.int64)
+        return pages * self.block_size + positions % self.block_size

@@ -1,0 +1,96 @@
+"""The coda's sampling step: temperature, top-k, top-p, min-p, seeded draws and log-probs.
+
+Owns: turning fp32 logits of the rows that exit into tokens. Must not: depend on batch composition
+(every operation is row-wise, and the noise is counter-based per request), or sync with the host.
+Log-probs are those of the model's raw distribution (before temperature and filtering).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loopserve.engine.scheduler_output import SamplingInfo
+from loopserve.sample.noise import gumbel_noise
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling settings as device tensors."""
+
+    temperature: torch.Tensor  # [R] fp32, 1 for greedy rows (unused there)
+    greedy: torch.Tensor  # [R] bool
+    top_k: torch.Tensor  # [R] int64, V when unused
+    top_p: torch.Tensor  # [R] fp32
+    min_p: torch.Tensor  # [R] fp32
+    seeds: torch.Tensor  # [R] int64
+    counters: torch.Tensor  # [R] int64
+    needs_filter: bool  # some row uses top-k, top-p or min-p
+    all_greedy: bool
+    num_logprobs: int  # the most alternatives any row asked for (0 when none)
+    logprob_counts: list[int | None]  # per row: alternatives asked for, None for no log-probs
+
+    @classmethod
+    def build(
+        cls, infos: Sequence[SamplingInfo], vocab_size: int, device: torch.device
+    ) -> SamplingBatch:
+        params = [info.params for info in infos]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        return cls(
+            temperature=torch.tensor(
+                [p.temperature if p.temperature > 0 else 1.0 for p in params], device=device
+            ),
+            greedy=torch.tensor([p.greedy for p in params], device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+            seeds=torch.tensor([i.seed for i in infos], dtype=torch.int64, device=device),
+            counters=torch.tensor([i.output_index for i in infos], dtype=torch.int64, device=device),
+            needs_filter=any(
+                not p.greedy and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+                for p, k in zip(params, top_k, strict=True)
+            ),
+            all_greedy=all(p.greedy for p in params),
+            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            logprob_counts=[p.logprobs for p in params],
+        )
+
+
+@dataclass(slots=True)
+class SampleResult:
+    tokens: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor  # [R] fp32, log-prob of the sampled token
+    top_ids: torch.Tensor  # [R, K] int64
+    top_logprobs: torch.Tensor  # [R, K] fp32
+
+
+def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set logits outside each row's top-k / nucleus / min-p set to -inf. logits [R, V] fp32."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = rank >= batch.top_k[:, None]
+    # Nucleus: drop a token when the tokens ranked above it already reach top_p.
+    drop |= (probs.cumsum(dim=-1) - probs) >= batch.top_p[:, None]
+    drop |= probs < batch.min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """logits [R, V] fp32 -> tokens and log-probs."""
+    raw_logprobs = logits.log_softmax(dim=-1)
+    if batch.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scaled = logits / batch.temperature[:, None]
+        if batch.needs_filter:
+            scaled = _filter(scaled, batch)
+        noisy = scaled + gumbel_noise(batch.seeds, batch.counters, logits.shape[-1])
+        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+    chosen = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
+    return SampleResult(tokens, chosen, top_ids, top_logprobs)

@@ -1,0 +1,109 @@
+"""The whole `train-tiny` run: corpus, tokenizer, stage 1, stage 2, export.
+
+Owns: the order of the steps, moving data to the training device, choosing autocast, and the
+training_info.json record (configuration, corpus fingerprints, final held-out losses, the
+progress history). Must not: parse command lines or define any step's internals.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from loopserve.train import corpus
+from loopserve.train.config import TrainTinyConfig
+from loopserve.train.data import BatchSampler, eval_windows, token_stream
+from loopserve.train.export import check_output_directory, export_checkpoint
+from loopserve.train.looped_forward import mean_loop_losses
+from loopserve.train.progress import ProgressLog
+from loopserve.train.stage1 import build_model, train_stage1
+from loopserve.train.stage2 import train_stage2
+from loopserve.train.tokenizer_training import END_OF_TEXT, train_tokenizer
+
+
+def _stream(tokenizer: Tokenizer, files: list[corpus.CorpusFile]) -> torch.Tensor:
+    encodings = tokenizer.encode_batch([file.text for file in files])
+    return token_stream([encoding.ids for encoding in encodings], separator_id=0)
+
+
+def _versions(device: torch.device) -> dict[str, str]:
+    import tokenizers
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "tokenizers": tokenizers.__version__,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        versions["gpu"] = torch.cuda.get_device_name(device)
+    return versions
+
+
+def train_tiny(
+    config: TrainTinyConfig,
+    output: Path,
+    device: torch.device,
+    log: ProgressLog,
+    *,
+    overwrite: bool = False,
+    corpus_root: Path | None = None,
+    save_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Any]:
+    """Train the tiny looped model from scratch and write it to `output`; returns training_info.
+
+    Args:
+        corpus_root: corpus directory; None is the running interpreter's standard library.
+        save_dtype: dtype of the saved weights (training is fp32, with bf16 autocast on a GPU).
+    """
+    check_output_directory(output, overwrite)
+    torch.manual_seed(config.seed)
+    split = corpus.load_split(corpus_root, config.held_out_fraction, config.max_files)
+    tokenizer = train_tokenizer(split.train, config.model.vocab_size)
+    if tokenizer.get_vocab_size() != config.model.vocab_size:
+        # A small corpus may not support as many merges as asked for; size the model to it.
+        config = replace(config, model=replace(config.model, vocab_size=tokenizer.get_vocab_size()))
+    train_stream = _stream(tokenizer, split.train).to(device)
+    held_out = eval_windows(_stream(tokenizer, split.held_out), config.seq_len + 1, config.eval_tokens)
+    log.emit(
+        "data",
+        train_files=len(split.train),
+        held_out_files=len(split.held_out),
+        train_tokens=train_stream.numel(),
+        held_out_windows=held_out.shape[0],
+        vocab=tokenizer.get_vocab_size(),
+    )
+    model = build_model(config.model, config.stage1.gate_bias_init, config.seed).to(device)
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    started = time.perf_counter()
+    sampler = BatchSampler(train_stream, config.seq_len, seed=config.seed)
+    train_stage1(model, sampler, held_out.to(device), config.stage1, autocast, log)
+    stage1_s = time.perf_counter() - started
+    gate_sampler = BatchSampler(train_stream, config.seq_len, seed=config.seed + 1)
+    train_stage2(model, gate_sampler, config.stage2, autocast, log)
+    losses = mean_loop_losses(model, held_out.to(device), config.stage1.batch_size, autocast)
+    log.emit("final", heldout_loop_losses=losses)
+    info = {
+        "end_of_text": END_OF_TEXT,
+        "config": config.to_dict(),
+        "corpus": {
+            "train": corpus.fingerprint(split.train),
+            "held_out": corpus.fingerprint(split.held_out),
+            "held_out_files": [file.relative_path for file in split.held_out],
+        },
+        "train_tokens": train_stream.numel(),
+        "heldout_loop_losses": losses,
+        "seconds": {"stage1": round(stage1_s, 1), "total": round(time.perf_counter() - started, 1)},
+        "versions": _versions(device),
+        "progress": log.records,
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    export_checkpoint(model, tokenizer, output, info, dtype=save_dtype)
+    log.message(f"wrote {output}")
+    return info
