@@ -16,6 +16,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, str] = {
     "generate": "loopserve.entrypoints.cli.generate",
     "make-checkpoint": "loopserve.entrypoints.cli.make_checkpoint",
+    "bench": "loopserve.entrypoints.cli.bench",
 }
 
 

@@ -1,0 +1,113 @@
+"""`loopserve generate`: generate completions for prompts from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text (the built-in tiny model when --model is not given)",
+        description="Generate completions. Flags mirror SamplingParams and EngineConfig.",
+    )
+    parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    parser.add_argument(
+        "--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids"
+    )
+    parser.add_argument(
+        "--prompts-file", type=Path, help="a file with one text prompt per line"
+    )
+    add_sampling_arguments(parser)
+    add_engine_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (SamplingParams)")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--stop-token-ids", type=str, default="", help="comma-separated ids")
+    group.add_argument("--logprobs", type=int, default=None, help="return this many alternatives")
+    group.add_argument("--min-loops", type=int, default=1)
+    group.add_argument("--max-loops", type=int, default=None)
+    group.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="exit once the gate's CDF reaches this (1.0 = fixed depth; default: the model's)",
+    )
+
+
+def sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from loopserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop),
+        stop_token_ids=tuple(_int_list(args.stop_token_ids)),
+        logprobs=args.logprobs,
+        min_loops=args.min_loops,
+        max_loops=args.max_loops,
+        exit_threshold=args.exit_threshold,
+    )
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from loopserve.entrypoints.llm import LLM
+
+    prompts: list[str | list[int]] = [*args.prompt]
+    prompts += [_int_list(ids) for ids in args.prompt_ids]
+    if args.prompts_file is not None:
+        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one --prompt, --prompt-ids or --prompts-file")
+    params = sampling_params(args)
+    llm = LLM(args.model, **engine_options(args))
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        if args.json:
+            record = {
+                "prompt": prompt,
+                "text": output.text,
+                "token_ids": output.token_ids,
+                "exit_depths": output.exit_depths,
+                "finish_reason": output.finish_reason,
+            }
+            if output.logprobs is not None:
+                record["logprobs"] = [[e.token_id, e.logprob, list(e.top)] for e in output.logprobs]
+            print(json.dumps(record))
+        else:
+            shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+            print(f"--- prompt: {shown}")
+            print(output.text if llm.tokenizer is not None else output.token_ids)
+            print(
+                f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}, "
+                f"mean exit depth {output.mean_exit_depth:.2f}, depths {output.exit_depths}"
+            )
+    sys.stdout.flush()
+    return 0
