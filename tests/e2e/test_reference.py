@@ -1,0 +1,36 @@
+"""The serial reference itself: at fixed depth with the `full` layout it is the plain model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loopserve.config import EngineConfig
+from loopserve.engine.engine import Engine
+from loopserve.reference import SerialReference, dense_logits
+from loopserve.sampling_params import SamplingParams
+
+
+def test_fixed_depth_full_layout_matches_cache_free_recompute(tiny_checkpoint: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_checkpoint), num_kv_pages=8))
+    model = engine.runner.model
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    params = engine.resolve(SamplingParams(max_tokens=10, temperature=0.0, exit_threshold=1.0))
+    out = SerialReference(model, kv_layout="full").generate(prompt, params)
+    assert out.exit_depths == [4] * 10
+    sequence = prompt + out.token_ids
+    dense = dense_logits(model, sequence[:-1], num_loops=4)  # [N - 1, V]
+    produced = dense[len(prompt) - 1 :]
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, produced[step], rtol=1e-5, atol=1e-5)
+        assert int(produced[step].argmax()) == out.token_ids[step]
+
+
+def test_teacher_forcing_returns_the_forced_tokens(tiny_checkpoint: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_checkpoint), num_kv_pages=8))
+    params = engine.resolve(SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.6))
+    forced = [10, 20, 30, 40, 50]
+    out = SerialReference(engine.runner.model).generate([1, 2, 3], params, forced_tokens=forced)
+    assert out.token_ids == forced and len(out.exit_depths) == 5 and len(out.logits) == 5
+    assert out.finish_reason == "length"

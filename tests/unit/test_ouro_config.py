@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from loopserve.models.ouro_config import ConfigError, OuroConfig
+
+
+def hf_dict(**changes: object) -> dict[str, object]:
+    return OuroConfig().to_hf_dict() | changes
+
+
+def test_defaults_are_ouro_1_4b_and_round_trip() -> None:
+    config = OuroConfig()
+    assert (config.hidden_size, config.num_hidden_layers, config.num_loops) == (2048, 24, 4)
+    assert OuroConfig.from_dict(config.to_hf_dict()) == config
+
+
+def test_real_ouro_fields_are_accepted() -> None:
+    raw = hf_dict(
+        transformers_version="4.55.0",
+        use_cache=True,
+        initializer_range=0.02,
+        layer_types=["full_attention"] * 24,
+        sliding_window=None,
+        max_window_layers=28,
+        early_exit_threshold=1.0,
+        auto_map={"AutoConfig": "configuration_ouro.OuroConfig"},
+        attention_dropout=0.0,
+    )
+    assert OuroConfig.from_dict(raw).num_loops == 4
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_type": "llama"}, "model_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"layer_types": ["sliding_attention"] * 24}, "layer_types"),
+        ({"num_key_value_heads": 3}, "multiple"),
+        ({"frobnication": 7}, "unknown config field(s) ['frobnication']"),
+        ({"architectures": ["LlamaForCausalLM"]}, "OuroForCausalLM"),
+        ({"hidden_size": "wide"}, "hidden_size"),
+        ({"total_ut_steps": 0}, "num_loops"),
+    ],
+)
+def test_unsupported_configs_fail_naming_the_problem(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        OuroConfig.from_dict(hf_dict(**changes))
+
+
+def test_missing_field_is_named(tmp_path) -> None:
+    raw = hf_dict()
+    del raw["vocab_size"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        OuroConfig.from_file(path)
+
+
+def test_bad_json_names_the_file(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        OuroConfig.from_file(path)
