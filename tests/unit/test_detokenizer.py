@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from loopserve.engine.detokenizer import IncrementalDetokenizer
+from loopserve.tokenizer import Tokenizer
+
+TEXT = "def café(x):\n    return '日本語 ünïcödé' + x  # ok 🎉 done\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(["def f(x): return x + 1\n"] * 20, trainer)
+    return Tokenizer(backend, {})
+
+
+def test_incremental_text_equals_full_decode(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    detokenizer = IncrementalDetokenizer(tokenizer, [1, 2], True, ())
+    pieces = []
+    for token in ids:
+        piece, stop = detokenizer.add([token])
+        assert stop is None and "\ufffd" not in piece  # never half a character
+        pieces.append(piece)
+    assert "".join(pieces) == detokenizer.text == TEXT
+    assert sum(1 for p in pieces if p == "") > 0  # multi-byte characters were held back
+
+
+def test_stop_strings_cut_the_text(tokenizer: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, [], True, ("return", "zzz"))
+    seen = ""
+    for token in tokenizer.encode(TEXT):
+        piece, stop = detokenizer.add([token])
+        seen += piece
+        if stop is not None:
+            break
+    assert stop == "return"
+    assert detokenizer.text == seen == "def café(x):\n    "
