@@ -15,9 +15,10 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "loopserve.attention.torch_backend:TorchAttentionBackend",
+    "triton": "loopserve.attention.triton_backend:TritonAttentionBackend",
 }
 # `auto` tries these in order and takes the first that can serve the spec.
-AUTO_ORDER: tuple[str, ...] = ("torch",)
+AUTO_ORDER: tuple[str, ...] = ("triton", "torch")
 
 
 class BackendUnavailableError(ValueError):
@@ -47,7 +48,7 @@ def select_backend(name: str, spec: AttentionSpec) -> type[AttentionBackend]:
                 f"attention backend {name!r} cannot run here: " + "; ".join(reasons)
             )
         return cls
-    rejected = []
+    rejected: list[str] = []
     for candidate in AUTO_ORDER:
         cls = backend_class(candidate)
         reasons = cls.unsupported_reasons(spec)

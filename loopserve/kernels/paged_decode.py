@@ -264,7 +264,8 @@ def _decode_combine_kernel(
         acc += part_out * weight
     out = acc / tl.where(num_parts > 0, total, 1.0)  # zeros for empty rows
     out_offsets = token * stride_out_token + head * stride_out_head + dims
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), dim_valid & (query_len == 1))
+    stored_dims = tl.where(query_len == 1, HEAD_DIM, 0)  # rows of other query lengths: none
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), dims < stored_dims)
 
 
 def paged_decode_attention(

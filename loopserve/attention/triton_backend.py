@@ -1,0 +1,222 @@
+"""The Triton attention backend: KV write, paged decode and packed causal prefill on CUDA.
+
+Owns: the tilings chosen for a spec, the per-metadata plan (decode workspace, programs per row,
+prefill tile map) and the launches of one layer. Must not: import triton when this module is
+imported (the kernel modules are imported when an instance is built), read host copies of the
+lengths on the decode path (it is CUDA-graph captured), or fall back to another backend.
+
+Rows with one query token always go through the decode kernels, prompt chunks through the
+prefill kernel, so a decode row's bits depend only on its own length and pages, whether it runs
+alone, in a larger decode batch, or next to prompt chunks. See docs/kernels.md.
+
+Testing mode: with `TRITON_INTERPRET=1` in the environment (set before the kernels are first
+imported), the backend also accepts device "cpu" and its kernels run in triton's CPU interpreter.
+That is how tests/kernels checks the kernels without a GPU; it is far too slow for anything else,
+and `auto` on a CPU machine without that variable still chooses the torch backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from loopserve.attention.base import AttentionBackend, AttentionSpec
+from loopserve.attention.metadata import AttentionMetadata
+from loopserve.runner.kv_storage import KVStorage
+
+if TYPE_CHECKING:
+    from loopserve.kernels.paged_decode import DecodeWorkspace
+
+
+def interpreter_mode() -> bool:
+    """True when triton is told to interpret kernels on the CPU (the kernel tests' mode)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What every layer of one pass shares; built once per metadata by `prepare`."""
+
+    metadata: AttentionMetadata
+    decode_only: bool  # every row has one query token: no host lists are read
+    has_decode_rows: bool
+    num_split_programs: int
+    prefill_tiles: torch.Tensor | None  # [tiles, 2] int32 (sequence, first query); None if none
+    num_query_tokens: int | None  # query_start_host[-1]; None on the decode-only path
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
+        {torch.float32, torch.bfloat16, torch.float16}
+    )
+    # Any head size works (tiles pad it to a power of two); these are the ones tests cover.
+    head_sizes: ClassVar[frozenset[int] | None] = frozenset({32, 64, 80, 96, 128, 256})
+    block_size_multiple = 1  # pages are looked up per token, any block size works
+    min_compute_capability = (8, 0)  # bf16 tensor-core dots
+    supports_cuda_graphs = True
+    supports_packed_prefill = True
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        from loopserve.kernels.paged_decode import DecodeTiling
+        from loopserve.kernels.paged_prefill import PrefillTiling
+
+        group = spec.num_heads // spec.num_kv_heads
+        self.decode_tiling = DecodeTiling.for_shape(group, spec.head_size)
+        self.prefill_tiling = PrefillTiling.for_shape(spec.head_size, spec.dtype)
+        self._plan: _Plan | None = None
+        self._workspaces = _DecodeWorkspacePool(
+            spec.num_heads, spec.head_size, self.decode_tiling.max_partitions
+        )
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        if spec.device_type == "cpu" and interpreter_mode():
+            # Testing mode: judge everything else as on a GPU the backend supports.
+            spec = dataclasses.replace(
+                spec, device_type="cuda", compute_capability=cls.min_compute_capability
+            )
+        reasons = super().unsupported_reasons(spec)
+        if spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"{spec.num_heads} heads are not a multiple of {spec.num_kv_heads}")
+        return reasons
+
+    @classmethod
+    def environment_reasons(cls, spec: AttentionSpec) -> list[str]:
+        if importlib.util.find_spec("triton") is None:
+            return ["triton is not installed (pip install 'loopserve[triton]')"]
+        return []
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        from loopserve.kernels.paged_decode import split_programs
+        from loopserve.kernels.paged_prefill import build_tile_map
+
+        rows = metadata.seq_lens.shape[0]
+        device = metadata.seq_lens.device
+        partitions = self.decode_tiling.partitions_bound(
+            metadata.page_table.shape[1] * self.spec.block_size
+        )
+        self._workspaces.reserve(rows, partitions, device)
+        head_programs = self.decode_tiling.head_programs(
+            self.spec.num_heads, self.spec.num_kv_heads
+        )
+        splits = split_programs(rows, head_programs, partitions, _target_programs(device))
+        if metadata.is_decode:
+            self._plan = _Plan(metadata, True, True, splits, None, None)
+            return
+        starts = metadata.query_start_host
+        tiles = build_tile_map(starts, metadata.seq_lens_host, self.prefill_tiling.block_m)
+        has_decode_rows = any(starts[i + 1] - starts[i] == 1 for i in range(len(starts) - 1))
+        tile_tensor = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device)
+        self._plan = _Plan(metadata, False, has_decode_rows, splits, tile_tensor, starts[-1])
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Nq, D]
+        k: torch.Tensor,  # [T, Nkv, D]
+        v: torch.Tensor,  # [T, Nkv, D]
+        kv: KVStorage,
+        layer: int,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Nq, D]
+        self.forward_into(q, k, v, kv, layer, metadata, out)
+        return out
+
+    def forward_into(
+        self,
+        q: torch.Tensor,  # [T, Nq, D]
+        k: torch.Tensor,  # [T, Nkv, D]
+        v: torch.Tensor,  # [T, Nkv, D]
+        kv: KVStorage,
+        layer: int,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,  # [T, Nq, D], last dim contiguous; every row is written
+    ) -> None:
+        """`forward` into a caller-owned output (a static buffer under CUDA graphs, say)."""
+        from loopserve.kernels.kv_write import write_kv
+        from loopserve.kernels.paged_decode import paged_decode_attention
+        from loopserve.kernels.paged_prefill import paged_prefill_attention
+
+        if self._plan is None or self._plan.metadata is not metadata:
+            self.prepare(metadata)
+        plan = self._plan
+        assert plan is not None
+        key_cache, value_cache = kv.key_cache(layer), kv.value_cache(layer)
+        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        if plan.decode_only and q.shape[0] != metadata.seq_lens.shape[0]:
+            raise ValueError(
+                f"decode pass with {q.shape[0]} tokens for {metadata.num_sequences} rows"
+            )
+        if plan.has_decode_rows:
+            workspace = self._workspaces.view(metadata.seq_lens.shape[0])
+            paged_decode_attention(
+                q, key_cache, value_cache, metadata, out, workspace,
+                scale=self.scale, num_split_programs=plan.num_split_programs,
+                tiling=self.decode_tiling,
+            )  # fmt: skip
+        if plan.prefill_tiles is not None:
+            paged_prefill_attention(
+                q, key_cache, value_cache, metadata, plan.prefill_tiles, out,
+                scale=self.scale, tiling=self.prefill_tiling,
+            )  # fmt: skip
+        if plan.num_query_tokens is not None and plan.num_query_tokens < q.shape[0]:
+            out[plan.num_query_tokens :].zero_()  # tokens of no sequence, like the reference
+
+
+class _DecodeWorkspacePool:
+    """The decode partials buffer, grown by doubling and never freed while the backend lives.
+
+    A CUDA graph captured with one buffer keeps pointing at it; retiring (not freeing) outgrown
+    buffers keeps such graphs valid. Doubling bounds what is retained to ~4x the largest buffer.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, max_partitions: int) -> None:
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.max_partitions = max_partitions
+        self.rows = 0
+        self.partitions = 0
+        self._buffers: list[DecodeWorkspace] = []  # the last one is current
+
+    def reserve(self, rows: int, partitions: int, device: torch.device) -> None:
+        if rows <= self.rows and partitions <= self.partitions:
+            return
+        from loopserve.kernels.paged_decode import new_workspace
+
+        self.rows = max(rows, 2 * self.rows)
+        self.partitions = max(partitions, min(2 * self.partitions, self.max_partitions))
+        self._buffers.append(
+            new_workspace(self.rows, self.num_heads, self.head_dim, self.partitions, device)
+        )
+
+    def view(self, rows: int) -> DecodeWorkspace:
+        """The current buffer's first `rows` rows (strides unchanged)."""
+        from loopserve.kernels.paged_decode import DecodeWorkspace
+
+        current = self._buffers[-1]
+        return DecodeWorkspace(
+            partial_out=current.partial_out[:rows],
+            partial_max=current.partial_max[:rows],
+            partial_sum=current.partial_sum[:rows],
+        )
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep every SM busy with a few resident programs each."""
+    if device.type != "cuda":
+        return 4  # the interpreter: small, but enough to split rows across programs
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 4 * _SM_COUNTS[index]

@@ -1,0 +1,46 @@
+"""Kernel tests run compiled on a CUDA GPU, or in triton's CPU interpreter where there is none.
+
+Triton decides between compiler and interpreter when a kernel is *defined*, so TRITON_INTERPRET=1
+must be set before the kernel modules are imported: this conftest sets it while this directory is
+collected (the test modules import the kernels at the top) and while each of its tests runs. It
+restores the previous value after collection, so tests of other directories, which expect `auto`
+to choose the torch backend on a CPU, never see it. With a GPU it is never set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+_PREVIOUS = os.environ.get("TRITON_INTERPRET")
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if _PREVIOUS is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_while_testing(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if ON_GPU else "cpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (realistic sizes are too slow to interpret)")
+    here = os.path.dirname(__file__)
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU and str(item.path).startswith(here):
+            item.add_marker(skip)

@@ -1,0 +1,166 @@
+"""The Triton backend end to end (write + attend) against the torch backend, and its selection."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loopserve.attention.base import AttentionSpec
+from loopserve.attention.registry import (
+    ATTENTION_BACKENDS,
+    AUTO_ORDER,
+    BackendUnavailableError,
+    select_backend,
+)
+from loopserve.attention.torch_backend import TorchAttentionBackend
+from loopserve.attention.triton_backend import TritonAttentionBackend
+from loopserve.kernels import paged_prefill
+from loopserve.runner.kv_storage import NULL_PAGE
+
+from .batch_specs import (
+    DECODE_SPECS,
+    PREFILL_SPECS,
+    Batch,
+    HeadShape,
+    build_batch,
+    decode_subset,
+    dense_reference,
+    tolerance,
+)
+
+SHAPES = [HeadShape(4, 2, 32, torch.float32), HeadShape(2, 2, 64, torch.bfloat16)]
+SPECS = {**DECODE_SPECS, **PREFILL_SPECS}
+
+
+def _spec(shape: HeadShape, device_type: str, block_size: int = 8) -> AttentionSpec:
+    return AttentionSpec(
+        device_type=device_type,
+        compute_capability=(9, 0) if device_type == "cuda" else None,
+        dtype=shape.dtype,
+        head_size=shape.head_dim,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        block_size=block_size,
+        cuda_graphs=device_type == "cuda",
+    )
+
+
+def _run_triton(batch: Batch, backend: TritonAttentionBackend) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))  # every row must be written
+    backend.forward_into(batch.q, batch.k, batch.v, batch.kv, batch.layer, batch.metadata, out)
+    return out
+
+
+def _without_null_page(cache: torch.Tensor) -> torch.Tensor:
+    keep = torch.ones(cache.shape[2], dtype=torch.bool, device=cache.device)
+    keep[NULL_PAGE] = False
+    return cache[:, :, keep]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_backend_matches_torch_backend(spec: str, shape: HeadShape, device: torch.device) -> None:
+    batch = build_batch(SPECS[spec], shape, device, seed=3)
+    before = batch.kv.cache.clone()
+    attention_spec = _spec(shape, device.type)
+    expected = TorchAttentionBackend(attention_spec).forward(
+        batch.q, batch.k, batch.v, batch.kv, batch.layer, batch.metadata
+    )
+    expected_cache = batch.kv.cache.clone()
+    batch.kv.cache.copy_(before)
+    out = _run_triton(batch, TritonAttentionBackend(attention_spec))
+    torch.testing.assert_close(out, expected, **tolerance(shape.dtype))
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
+    torch.testing.assert_close(
+        _without_null_page(batch.kv.cache),
+        _without_null_page(expected_cache),
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+    )
+
+
+def test_decode_row_is_the_same_next_to_prompt_chunks(device: torch.device) -> None:
+    """Decode rows give the same bits in a mixed pass and in a decode-only pass."""
+    shape = SHAPES[1]
+    batch = build_batch(PREFILL_SPECS["packed_mixed"], shape, device, seed=5)
+    backend = TritonAttentionBackend(_spec(shape, device.type))
+    out_mixed = _run_triton(batch, backend)
+    indices = [i for i, row in enumerate(batch.rows) if row.query_len == 1]
+    metadata, tokens = decode_subset(batch, indices)
+    out_alone = torch.full_like(batch.q[tokens], float("nan"))
+    q, k, v = batch.q[tokens], batch.k[tokens], batch.v[tokens]
+    backend.forward_into(q, k, v, batch.kv, batch.layer, metadata, out_alone)
+    assert torch.equal(out_mixed[tokens], out_alone)
+    assert not out_alone.isnan().any()
+
+
+@pytest.mark.parametrize("spec", ["decode", "mixed"])
+def test_forward_allocates_its_output(spec: str, device: torch.device) -> None:
+    shape = SHAPES[0]
+    rows = DECODE_SPECS["padding_rows"] if spec == "decode" else PREFILL_SPECS["packed_mixed"]
+    batch = build_batch(rows, shape, device)
+    backend = TritonAttentionBackend(_spec(shape, device.type))
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv, batch.layer, batch.metadata)
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
+
+
+def test_prepare_builds_the_tile_map_once_per_metadata(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    original = paged_prefill.build_tile_map
+    monkeypatch.setattr(
+        paged_prefill, "build_tile_map", lambda *args: calls.append(args) or original(*args)
+    )
+    shape = SHAPES[0]
+    batch = build_batch(PREFILL_SPECS["packed_mixed"], shape, device)
+    backend = TritonAttentionBackend(_spec(shape, device.type))
+    backend.prepare(batch.metadata)
+    for _ in range(3):  # three layers of one pass
+        _run_triton(batch, backend)
+    assert len(calls) == 1
+
+
+def test_registered_before_torch() -> None:
+    assert "triton" in ATTENTION_BACKENDS
+    assert AUTO_ORDER.index("triton") < AUTO_ORDER.index("torch")
+
+
+def test_auto_on_cpu_picks_torch_unless_interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _spec(SHAPES[0], "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert select_backend("auto", spec) is TorchAttentionBackend
+    with pytest.raises(BackendUnavailableError, match="runs on"):
+        select_backend("triton", spec)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("auto", spec) is TritonAttentionBackend
+
+
+def test_capability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _spec(SHAPES[1], "cuda")
+    assert TritonAttentionBackend.unsupported_reasons(spec) == []
+    odd = dataclasses.replace(spec, head_size=48, num_heads=6, num_kv_heads=4)
+    reasons = " ".join(TritonAttentionBackend.unsupported_reasons(odd))
+    assert "head size 48" in reasons and "not a multiple of 4" in reasons
+    old = dataclasses.replace(spec, compute_capability=(7, 5))
+    assert TritonAttentionBackend.unsupported_reasons(old) != []
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "triton" else find_spec(name)
+    )
+    assert "triton is not installed" in " ".join(TritonAttentionBackend.unsupported_reasons(spec))
+
+
+def test_importing_the_backend_does_not_import_triton() -> None:
+    code = (
+        "import sys, loopserve, loopserve.attention.registry, loopserve.kernels\n"
+        "import loopserve.attention.triton_backend\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
