@@ -20,8 +20,8 @@ from loopserve.engine.trace import D2_6, traced_depth
 from loopserve.models.exit_rule import next_survival, threshold_reached
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.outputs import TokenLogprobs
-from loopserve.sampling_params import ResolvedParams
 from loopserve.sample.sampler import SamplingBatch, sample
+from loopserve.sampling_params import ResolvedParams
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -33,7 +33,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bo
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * q.shape[-1] ** -0.5
     if causal:
         num_queries, context = q.shape[0], keys.shape[0]
-        allowed = torch.arange(context)[None, :] <= torch.arange(context - num_queries, context)[:, None]
+        allowed = (
+            torch.arange(context)[None, :] <= torch.arange(context - num_queries, context)[:, None]
+        )
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(q.dtype)
 
@@ -51,8 +53,12 @@ class _DenseKV:
     """K/V per plane and layer: keys[plane][layer] is [positions, Nkv, D]."""
 
     def __init__(self, num_planes: int, num_layers: int) -> None:
-        self.keys: list[list[torch.Tensor | None]] = [[None] * num_layers for _ in range(num_planes)]
-        self.values: list[list[torch.Tensor | None]] = [[None] * num_layers for _ in range(num_planes)]
+        self.keys: list[list[torch.Tensor | None]] = [
+            [None] * num_layers for _ in range(num_planes)
+        ]
+        self.values: list[list[torch.Tensor | None]] = [
+            [None] * num_layers for _ in range(num_planes)
+        ]
 
     def append(self, plane: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         old_k, old_v = self.keys[plane][layer], self.values[plane][layer]
@@ -117,7 +123,9 @@ class SerialReference:
         hidden = self.model.embed(ids)
         for loop in range(1, num_loops + 1):
 
-            def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int = loop - 1) -> torch.Tensor:
+            def attention(
+                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int = loop - 1
+            ) -> torch.Tensor:
                 kv.append(plane, layer, k, v)
                 return attend(q, *kv.get(plane, layer), causal=True)
 
@@ -141,7 +149,9 @@ class SerialReference:
         written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for loop in range(1, params.max_loops + 1):
 
-            def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int = loop - 1) -> torch.Tensor:
+            def attention(
+                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plane: int = loop - 1
+            ) -> torch.Tensor:
                 written[layer] = (k, v)
                 if self.kv_layout == "full":
                     kv.append(plane, layer, k, v)  # its loop-d version, at position `position`
@@ -195,7 +205,9 @@ class SerialReference:
         info = SamplingInfo(params.params, params.seed, len(out.token_ids))
         batch = SamplingBatch.build([info], self.model.config.vocab_size, self.device)
         result = sample(logits, batch)
-        token = int(result.tokens[0]) if forced_tokens is None else forced_tokens[len(out.token_ids)]
+        token = (
+            int(result.tokens[0]) if forced_tokens is None else forced_tokens[len(out.token_ids)]
+        )
         out.logits.append(logits[0])
         out.token_ids.append(token)
         count = params.params.logprobs

@@ -79,9 +79,7 @@ class SamplingParams:
         if self.min_loops < 1:
             problems.append(f"min_loops must be at least 1, got {self.min_loops}")
         if self.max_loops is not None and self.max_loops < self.min_loops:
-            problems.append(
-                f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})"
-            )
+            problems.append(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})")
         if self.exit_threshold is not None and not 0.0 < self.exit_threshold <= 1.0:
             problems.append(f"exit_threshold must be in (0, 1], got {self.exit_threshold}")
         if self.trace_depths is not None and any(depth < 1 for depth in self.trace_depths):

@@ -66,9 +66,11 @@ class AttentionBackend(ABC):
                 f"block size {spec.block_size} is not a multiple of {cls.block_size_multiple}"
             )
         minimum = cls.min_compute_capability
-        if minimum is not None and spec.device_type == "cuda":
-            if spec.compute_capability is None or spec.compute_capability < minimum:
-                reasons.append(f"needs compute capability >= {minimum}")
+        too_old = spec.compute_capability is None or (
+            minimum is not None and spec.compute_capability < minimum
+        )
+        if minimum is not None and spec.device_type == "cuda" and too_old:
+            reasons.append(f"needs compute capability >= {minimum}")
         if spec.cuda_graphs and not cls.supports_cuda_graphs:
             reasons.append("does not support CUDA graphs")
         return reasons + cls.environment_reasons(spec)

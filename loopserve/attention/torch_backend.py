@@ -16,16 +16,16 @@ from loopserve.attention.metadata import AttentionMetadata
 from loopserve.runner.kv_storage import KVStorage
 
 
-def write_kv(kv: KVStorage, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    kv: KVStorage, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Store k/v [T, Nkv, D] into flat slots [T] of one layer."""
     kv.key_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = k
     kv.value_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = v
 
 
-def gather_context(
-    cache: torch.Tensor, pages: torch.Tensor, length: int
-) -> torch.Tensor:
-    """cache [pages, block, Nkv, D], page ids [P] -> the first `length` positions [length, Nkv, D]."""
+def gather_context(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [pages, block, Nkv, D], page ids [P] -> the first `length` positions [len, Nkv, D]."""
     block = cache.shape[1]
     needed = -(-length // block)
     return cache[pages[:needed]].flatten(0, 1)[:length]

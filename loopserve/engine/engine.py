@@ -94,7 +94,9 @@ class Engine:
                 f"the maximum model length {self.max_model_len}"
             )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise ValueError(
+                "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+            )
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,

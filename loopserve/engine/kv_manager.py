@@ -4,11 +4,11 @@ Owns: which page belongs to which (request, plane), and the admission arithmetic
 admitted request able to finish. Must not: import torch or touch device memory (that is
 `runner.kv_storage.KVStorage`).
 
-A request reserves, when it is admitted, every page it can ever need (`pages_needed`); pages are then
-drawn from that reservation as its tables grow, and both are returned when it finishes. Since the
-free list always covers all outstanding reservations, no admitted request can run out of pages:
-admission never deadlocks and nothing needs preempting. Page 0 is the null page and is never given
-out.
+A request reserves, when it is admitted, every page it can ever need (`pages_needed`); pages are
+then drawn from that reservation as its tables grow, and both are returned when it finishes. Since
+the free list always covers all outstanding reservations, no admitted request can run out of
+pages: admission never deadlocks and nothing needs preempting. Page 0 is the null page and is never
+given out.
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ class _RequestPages:
 class KVCacheManager:
     def __init__(self, num_pages: int, block_size: int) -> None:
         if num_pages < 2:
-            raise ValueError(f"the KV cache needs at least 2 pages (one is the null page), got {num_pages}")
+            raise ValueError(
+                f"the KV cache needs at least 2 pages (one is the null page), got {num_pages}"
+            )
         self.num_pages = num_pages
         self.block_size = block_size
-        self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() gives low ids first
+        self._free: list[int] = list(
+            range(num_pages - 1, NULL_PAGE, -1)
+        )  # pop() gives low ids first
         self._owner: dict[int, str] = {}
         self._requests: dict[str, _RequestPages] = {}
         self._total_reserved = 0
@@ -97,15 +101,12 @@ class KVCacheManager:
         self._total_reserved -= missing
         return start, new
 
-    def release_plane(self, request_id: str, plane: int, unused_reservation: int = 0) -> None:
-        """Free one plane's pages (and give back part of the reservation that it no longer needs)."""
+    def release_plane(self, request_id: str, plane: int) -> None:
+        """Free one plane's pages (the `shared` layout's prompt planes once prefill is done)."""
         pages = self._requests[request_id]
         self._free_pages(pages.tables[plane])
         pages.tables[plane] = []
         pages.freed_planes.add(plane)
-        unused_reservation = min(unused_reservation, pages.reserved)
-        pages.reserved -= unused_reservation
-        self._total_reserved -= unused_reservation
 
     def free(self, request_id: str) -> None:
         """Free every page of a request and cancel what is left of its reservation."""
@@ -136,7 +137,9 @@ class KVCacheManager:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call this every step)."""
         free = set(self._free)
         assert len(free) == len(self._free), "a page is on the free list twice"
-        assert NULL_PAGE not in free and NULL_PAGE not in self._owner, "the null page was handed out"
+        assert NULL_PAGE not in free and NULL_PAGE not in self._owner, (
+            "the null page was handed out"
+        )
         assert not free & self._owner.keys(), "a page is both free and owned"
         assert len(free) + len(self._owner) == self.num_usable_pages, "a page was lost"
         for request_id, pages in self._requests.items():

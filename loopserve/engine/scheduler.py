@@ -129,8 +129,8 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r} needs {needed} KV pages (prompt + max_tokens over "
                 f"{request.params.max_loops} loop planes) but the cache has only "
-                f"{self.kv.num_usable_pages}; lower max_tokens or max_loops, use kv_layout='shared', "
-                "or give the KV cache more memory"
+                f"{self.kv.num_usable_pages}; lower max_tokens or max_loops, use "
+                "kv_layout='shared', or give the KV cache more memory"
             )
         key = (request.priority, next(self._order))
         index = bisect.bisect(self._waiting_keys, key)
@@ -144,10 +144,10 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = "abort"
                 return request
-        request = self._running_by_id.get(request_id)
-        if request is not None:
-            self.finish(request, "abort")
-        return request
+        running = self._running_by_id.get(request_id)
+        if running is not None:
+            self.finish(running, "abort")
+        return running
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """End a running request now and free everything it holds."""
@@ -270,7 +270,9 @@ class Scheduler:
         if loop >= params.max_loops:
             return ExitCheck.EXIT, False
         if self.config.exit_mode == "trace":
-            return (ExitCheck.EXIT if loop >= self.trace_depth(request) else ExitCheck.CONTINUE), False
+            return (
+                ExitCheck.EXIT if loop >= self.trace_depth(request) else ExitCheck.CONTINUE
+            ), False
         if params.fixed_depth:
             return ExitCheck.CONTINUE, False
         if self.config.exit_mode == "ouro_delayed":
@@ -334,7 +336,8 @@ class Scheduler:
             return
         rid, position = request.request_id, row.position
         destinations = [
-            self.kv.slot(rid, plane, position) for plane in range(row.loop, request.params.max_loops)
+            self.kv.slot(rid, plane, position)
+            for plane in range(row.loop, request.params.max_loops)
         ]
         copy = KVCopy(self.kv.slot(rid, row.loop - 1, position), destinations)
         self._pending_copies.append((rid, copy))

@@ -94,18 +94,23 @@ class LLM:
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, str) and all(
-        isinstance(item, int) for item in value
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(item, int) for item in value)
     )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
-        return [prompts]  # type: ignore[list-item]
-    batch = list(prompts)  # type: ignore[arg-type]
-    for index, prompt in enumerate(batch):
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and _is_token_ids(prompts):
+        return [[int(token) for token in prompts]]  # type: ignore[arg-type]
+    batch: list[Prompt] = []
+    for index, prompt in enumerate(prompts):
         if not isinstance(prompt, str) and not _is_token_ids(prompt):
             raise TypeError(f"prompt {index} must be a string or a list of token ids")
+        batch.append(prompt)  # type: ignore[arg-type]
     return batch
 
 

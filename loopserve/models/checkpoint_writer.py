@@ -35,7 +35,10 @@ class RandomInit:
 
 
 def random_state_dict(
-    config: OuroConfig, seed: int = 0, dtype: torch.dtype = torch.float32, init: RandomInit | None = None
+    config: OuroConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init: RandomInit | None = None,
 ) -> dict[str, torch.Tensor]:
     init = init or RandomInit()
     generator = torch.Generator().manual_seed(seed)
@@ -62,7 +65,7 @@ def write_checkpoint(
     *,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write config, generation config and weights; shard when the weights exceed max_shard_bytes."""
+    """Write config, generation config and weights; shard above max_shard_bytes."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

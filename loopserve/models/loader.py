@@ -41,7 +41,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
-    """What generation_config.json adds: extra stop ids and the checkpoint's default exit threshold."""
+    """What generation_config.json adds to config.json: extra end-of-sequence ids."""
 
     eos_token_ids: tuple[int, ...] = ()
 
@@ -99,7 +99,9 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{index_path}: not a valid safetensors index ({error})") from None
+            raise CheckpointError(
+                f"{index_path}: not a valid safetensors index ({error})"
+            ) from None
         files = {name: directory / file for name, file in weight_map.items()}
         for path in sorted(set(files.values())):
             if not path.exists():

@@ -197,7 +197,9 @@ def _check_fields(raw: dict[str, Any]) -> None:
             )
     layer_types = raw.get("layer_types")
     if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
-        raise ConfigError("layer_types other than 'full_attention' (sliding window) are not supported")
+        raise ConfigError(
+            "layer_types other than 'full_attention' (sliding window) are not supported"
+        )
     known = _IGNORED_FIELDS | _FIELDS_READ | _FIXED_FIELDS.keys()
     unknown = sorted(set(raw) - known)
     if unknown:

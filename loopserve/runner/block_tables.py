@@ -8,6 +8,7 @@ Must not: decide anything; it mirrors the torch-free KV manager on the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -18,7 +19,12 @@ from loopserve.engine.scheduler_output import PageTableUpdate
 
 class BlockTables:
     def __init__(
-        self, max_num_seqs: int, num_planes: int, max_pages: int, block_size: int, device: torch.device
+        self,
+        max_num_seqs: int,
+        num_planes: int,
+        max_pages: int,
+        block_size: int,
+        device: torch.device,
     ) -> None:
         self.block_size = block_size
         self.device = device
@@ -38,7 +44,11 @@ class BlockTables:
             )
 
     def decode_metadata(
-        self, slots: torch.Tensor, planes: torch.Tensor, positions: torch.Tensor, positions_host: list[int]
+        self,
+        slots: torch.Tensor,
+        planes: torch.Tensor,
+        positions: torch.Tensor,
+        positions_host: list[int],
     ) -> AttentionMetadata:
         """One query per row; row r reads and writes plane planes[r] of slot slots[r].
 
@@ -78,7 +88,7 @@ class BlockTables:
             seq_lens=torch.tensor(seq_lens_host, dtype=torch.int32, device=self.device),
             page_table=page_table,
             slot_mapping=self._slots(page_table, sequence_of_token, positions),
-            max_query_len=max(b - a for a, b in zip(query_start_host, query_start_host[1:])),
+            max_query_len=max(b - a for a, b in pairwise(query_start_host)),
             max_seq_len=max_seq_len,
             query_start_host=query_start_host,
             seq_lens_host=seq_lens_host,

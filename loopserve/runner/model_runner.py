@@ -110,8 +110,8 @@ class ModelRunner:
         hidden = self.hidden[slots]  # [R, H]
         first = [index for index, row in enumerate(rows) if row.loop == 1]
         if first:
-            tokens = self._long([rows[index].input_token for index in first])
-            hidden[first] = self.model.embed(tokens)
+            first_tokens = self._long([rows[index].input_token for index in first])
+            hidden[first] = self.model.embed(first_tokens)
         metadata = self.block_tables.decode_metadata(
             slots, self._long([row.plane for row in rows]), positions, positions_host
         )
@@ -141,7 +141,9 @@ class ModelRunner:
         self, rows: list[DecodeRow], hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Survival after this loop [R] fp32 and the exit test [R] bool."""
-        survival = torch.tensor([row.survival for row in rows], dtype=torch.float32, device=self.device)
+        survival = torch.tensor(
+            [row.survival for row in rows], dtype=torch.float32, device=self.device
+        )
         exit_test = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         gated = [index for index, row in enumerate(rows) if row.evaluate_gate]
         if gated:
@@ -168,7 +170,11 @@ class ModelRunner:
         seq_lens = [chunk.start + length for chunk, length in zip(chunks, lengths, strict=True)]
         token_ids = self._long([token for chunk in chunks for token in chunk.token_ids])
         positions = self._long(
-            [p for chunk, n in zip(chunks, lengths, strict=True) for p in range(chunk.start, chunk.start + n)]
+            [
+                p
+                for chunk, n in zip(chunks, lengths, strict=True)
+                for p in range(chunk.start, chunk.start + n)
+            ]
         )
         sequence_of_token = self._long([s for s, n in enumerate(lengths) for _ in range(n)])
         slots = self._long([chunk.slot for chunk in chunks])

@@ -79,9 +79,7 @@ def _num_kv_pages(config: EngineConfig, bytes_per_page: int, device: torch.devic
     return int(pages)
 
 
-def build_runner(
-    config: EngineConfig, model_dir: Path
-) -> tuple[ModelRunner, EngineRuntime]:
+def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, EngineRuntime]:
     device = resolve_device(config.device)
     model = load_model(config, model_dir, device)
     model_config = model.config

@@ -47,7 +47,9 @@ class SamplingBatch:
             top_p=torch.tensor([p.top_p for p in params], device=device),
             min_p=torch.tensor([p.min_p for p in params], device=device),
             seeds=torch.tensor([i.seed for i in infos], dtype=torch.int64, device=device),
-            counters=torch.tensor([i.output_index for i in infos], dtype=torch.int64, device=device),
+            counters=torch.tensor(
+                [i.output_index for i in infos], dtype=torch.int64, device=device
+            ),
             needs_filter=any(
                 not p.greedy and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
                 for p, k in zip(params, top_k, strict=True)

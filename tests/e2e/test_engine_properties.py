@@ -12,19 +12,34 @@ from loopserve.engine.engine import Engine
 from loopserve.sampling_params import SamplingParams
 
 actions = st.lists(
-    st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(1, 30), st.integers(1, 8)),
+    st.tuples(
+        st.sampled_from(["add", "step", "step", "abort"]), st.integers(1, 30), st.integers(1, 8)
+    ),
     min_size=1,
     max_size=25,
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions=actions, layout=st.sampled_from(["full", "shared"]), scheduling=st.sampled_from(["refill", "no_refill"]))
-def test_engine_frees_every_page(tiny_checkpoint: Path, actions, layout: str, scheduling: str) -> None:  # type: ignore[no-untyped-def]
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    actions=actions,
+    layout=st.sampled_from(["full", "shared"]),
+    scheduling=st.sampled_from(["refill", "no_refill"]),
+)
+def test_engine_frees_every_page(
+    tiny_checkpoint: Path, actions, layout: str, scheduling: str
+) -> None:  # type: ignore[no-untyped-def]
     engine = Engine(
         EngineConfig(
-            model=str(tiny_checkpoint), kv_layout=layout, scheduling=scheduling, num_kv_pages=40,
-            max_num_seqs=3, prefill_chunk_size=7, max_num_batched_tokens=8,
+            model=str(tiny_checkpoint),
+            kv_layout=layout,
+            scheduling=scheduling,
+            num_kv_pages=40,
+            max_num_seqs=3,
+            prefill_chunk_size=7,
+            max_num_batched_tokens=8,
         )
     )
     ids: list[str] = []

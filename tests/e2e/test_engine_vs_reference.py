@@ -93,7 +93,13 @@ def reference(tiny_checkpoint: Path):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("layout", ["full", "shared"])
 def test_engine_equals_serial_reference(
-    tiny_checkpoint: Path, reference, layout: str, mode: str, scheduling: str, count: int, chunk: int
+    tiny_checkpoint: Path,
+    reference,
+    layout: str,
+    mode: str,
+    scheduling: str,
+    count: int,
+    chunk: int,
 ) -> None:  # type: ignore[no-untyped-def]
     results = run_engine(tiny_checkpoint, layout, mode, scheduling, count, chunk)
     for index in range(count):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loopserve.engine.scheduler import Scheduler, SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
+from loopserve.engine.scheduler import Scheduler, SchedulerConfig
 from loopserve.engine.scheduler_output import (
     DecodeRow,
     ExitCheck,

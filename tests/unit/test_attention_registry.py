@@ -11,8 +11,14 @@ from loopserve.attention.registry import BackendUnavailableError, select_backend
 
 def spec(**changes: object) -> AttentionSpec:
     fields = dict(
-        device_type="cpu", compute_capability=None, dtype=torch.float32, head_size=64,
-        num_heads=4, num_kv_heads=2, block_size=16, cuda_graphs=False,
+        device_type="cpu",
+        compute_capability=None,
+        dtype=torch.float32,
+        head_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        block_size=16,
+        cuda_graphs=False,
     )
     return AttentionSpec(**(fields | changes))  # type: ignore[arg-type]
 
@@ -25,7 +31,9 @@ def test_auto_on_cpu_picks_torch_and_logs_why_others_were_skipped(caplog, monkey
 
 
 def test_explicit_choice_never_falls_back() -> None:
-    with pytest.raises(BackendUnavailableError, match="'torch' cannot run here: does not support CUDA graphs"):
+    with pytest.raises(
+        BackendUnavailableError, match="'torch' cannot run here: does not support CUDA graphs"
+    ):
         select_backend("torch", spec(cuda_graphs=True))
     with pytest.raises(BackendUnavailableError, match="unknown attention backend 'nope'"):
         select_backend("nope", spec())

@@ -20,14 +20,16 @@ def test_noise_depends_only_on_seed_and_counter() -> None:
     alone = uniform_noise(seeds[1:2], counters[1:2], 1000)
     assert torch.equal(noise[1], alone[0])
     assert not torch.equal(noise[0], noise[2])
-    assert 0.0 < float(noise.min()) and float(noise.max()) < 1.0
+    assert float(noise.min()) > 0.0 and float(noise.max()) < 1.0
     assert abs(float(noise.mean()) - 0.5) < 0.02  # roughly uniform
 
 
 def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2])
     logits = probs.log()[None, :].repeat(4000, 1)
-    infos = [SamplingInfo(SamplingParams(temperature=1.0), seed=9, output_index=i) for i in range(4000)]
+    infos = [
+        SamplingInfo(SamplingParams(temperature=1.0), seed=9, output_index=i) for i in range(4000)
+    ]
     tokens = sample(logits, batch_of(*infos, vocab=3)).tokens
     frequencies = torch.bincount(tokens, minlength=3).float() / 4000
     torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)

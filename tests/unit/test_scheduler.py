@@ -33,7 +33,12 @@ def test_refill_gives_the_freed_row_to_the_next_token_at_once() -> None:
     runner = two_request_trace_run("refill")
     decode_steps = [loops_by_request(s) for s in runner.steps if s.decode_rows]
     # B runs loops 1..4 for its first decode token while A streams a token per step.
-    assert decode_steps[:4] == [{"A": 1, "B": 1}, {"A": 1, "B": 2}, {"A": 1, "B": 3}, {"A": 1, "B": 4}]
+    assert decode_steps[:4] == [
+        {"A": 1, "B": 1},
+        {"A": 1, "B": 2},
+        {"A": 1, "B": 3},
+        {"A": 1, "B": 4},
+    ]
 
 
 def test_no_refill_makes_exited_rows_wait_for_the_cohort() -> None:
@@ -50,7 +55,9 @@ def test_a_finished_requests_row_goes_to_a_waiting_request(scheduling: str) -> N
     scheduler.add(make_request("C", max_tokens=2, trace_depths=(1,)))
     runner = FakeRunner()
     run_to_completion(scheduler, runner)
-    c_prefill = next(i for i, s in enumerate(runner.steps) if any(c.request_id == "C" for c in s.prefill_chunks))
+    c_prefill = next(
+        i for i, s in enumerate(runner.steps) if any(c.request_id == "C" for c in s.prefill_chunks)
+    )
     c_first_decode = next(i for i, s in enumerate(runner.steps) if "C" in loops_by_request(s))
     b_loops_then = loops_by_request(runner.steps[c_first_decode]).get("B")
     if scheduling == "refill":
@@ -129,7 +136,7 @@ def test_shared_layout_releases_prompt_planes_after_prefill() -> None:
 
 def test_a_request_that_can_never_fit_is_rejected() -> None:
     scheduler = make_scheduler(num_pages=10)
-    with pytest.raises(ValueError, match="needs 12 KV pages.*only 9"):
+    with pytest.raises(ValueError, match=r"needs 12 KV pages.*only 9"):
         scheduler.add(make_request("big", prompt_len=40, max_tokens=9))
     assert scheduler.num_unfinished == 0
 
@@ -140,7 +147,10 @@ def test_admission_waits_for_pages_and_never_deadlocks() -> None:
         scheduler.add(make_request(f"r{index}", prompt_len=40, max_tokens=9))
     runner = FakeRunner()
     run_to_completion(scheduler, runner)
-    concurrent = max(len({c.request_id for c in s.prefill_chunks} | set(loops_by_request(s))) for s in runner.steps)
+    concurrent = max(
+        len({c.request_id for c in s.prefill_chunks} | set(loops_by_request(s)))
+        for s in runner.steps
+    )
     assert concurrent == 1
     assert scheduler.kv.num_used_pages == 0
 

@@ -17,7 +17,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     modes = parser.add_subparsers(dest="bench_mode", metavar="MODE", required=True)
     for mode, module_name in BENCH_MODES.items():
         module = importlib.import_module(module_name)
-        mode_parser = modes.add_parser(mode, help=module.__doc__.splitlines()[0] if module.__doc__ else None)
+        mode_parser = modes.add_parser(
+            mode, help=module.__doc__.splitlines()[0] if module.__doc__ else None
+        )
         module.add_arguments(mode_parser)
 
 

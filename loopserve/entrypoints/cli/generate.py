@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
+from loopserve.sampling_params import SamplingParams
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,9 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids"
     )
-    parser.add_argument(
-        "--prompts-file", type=Path, help="a file with one text prompt per line"
-    )
+    parser.add_argument("--prompts-file", type=Path, help="a file with one text prompt per line")
     add_sampling_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -50,9 +49,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from loopserve.sampling_params import SamplingParams
-
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -91,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
         if args.json:
-            record = {
+            record: dict[str, object] = {
                 "prompt": prompt,
                 "text": output.text,
                 "token_ids": output.token_ids,

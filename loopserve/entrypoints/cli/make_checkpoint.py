@@ -30,7 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("output", type=Path, help="directory to create")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument(
-        "--override", default="{}", help='JSON of config fields to change, e.g. \'{"total_ut_steps": 2}\''
+        "--override",
+        default="{}",
+        help="JSON of config fields to change, e.g. '{\"total_ut_steps\": 2}'",
     )
     parser.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     parser.add_argument("--seed", type=int, default=0)
