@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # subcommand -> module; the order is the order of `loopserve --help`.
 SUBCOMMANDS: dict[str, str] = {
     "generate": "loopserve.entrypoints.cli.generate",
+    "serve": "loopserve.entrypoints.cli.serve",
     "make-checkpoint": "loopserve.entrypoints.cli.make_checkpoint",
     "bench": "loopserve.entrypoints.cli.bench",
 }

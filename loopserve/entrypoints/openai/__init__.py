@@ -1,0 +1,13 @@
+"""The OpenAI-compatible HTTP server (`loopserve serve`, extra `serve`: fastapi, uvicorn, jinja2).
+
+Owns: the app, its protocol models, the serving logic, the engine thread, metrics and errors.
+Must not: be imported by `import loopserve` (the optional dependencies load only when serving),
+or touch the `Engine` from the event loop (only `engine_thread.EngineThread` does).
+
+Request lifecycle: ASGI middlewares check the API key and the concurrency limit -> the handler
+reads the body within its size limit, validates it into a protocol model, renders and tokenizes
+the prompt off the event loop, checks the context length -> `EngineThread.add` hands the engine
+requests over and resolves once the engine accepted them -> outputs flow back into the request's
+asyncio queue -> they become one JSON response or server-sent events -> a disconnect or the end of
+the response aborts whatever is still running.
+"""

@@ -1,0 +1,112 @@
+"""The FastAPI application: routes, middlewares, error handlers and the engine thread's lifespan.
+
+Owns: `build_app`, which wires one `ServingContext` into the routes (`/v1/completions`,
+`/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`), starts the engine thread with the
+app and stops it (aborting what is left) when the app shuts down. Must not: hold module-level
+state (every app carries its own context) or call the engine (the engine thread owns it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from loopserve.engine.engine import Engine
+from loopserve.entrypoints.openai.auth import ApiKeyMiddleware
+from loopserve.entrypoints.openai.chat_template import load_chat_template
+from loopserve.entrypoints.openai.config import ServerConfig
+from loopserve.entrypoints.openai.context import ModelInfo, ServingContext
+from loopserve.entrypoints.openai.engine_thread import EngineThread
+from loopserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from loopserve.entrypoints.openai.limits import ConcurrencyLimitMiddleware
+from loopserve.entrypoints.openai.logprobs import LogprobFormatter
+from loopserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from loopserve.entrypoints.openai.responses import ModelCard, ModelList, to_json
+from loopserve.entrypoints.openai.serving_chat import create_chat_completion
+from loopserve.entrypoints.openai.serving_completions import create_completion
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """The app serving `engine`; from here on only the engine thread touches the engine.
+
+    Raises:
+        ValueError: the chat template does not compile.
+    """
+    model = ModelInfo.of(engine)
+    metrics = ServerMetrics(model.num_loops)
+    context = ServingContext(
+        config=config,
+        model=model,
+        engine=EngineThread(engine, metrics),
+        metrics=metrics,
+        chat_template=load_chat_template(config.chat_template, model.tokenizer),
+        logprobs=LogprobFormatter(model.tokenizer),
+        started=int(time.time()),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        context.engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(context.engine.stop)
+
+    app = FastAPI(
+        title="loopserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    install_error_handlers(app)
+    _add_routes(app, context)
+    app.add_middleware(
+        ConcurrencyLimitMiddleware, limit=config.max_concurrent_requests, paths=GENERATION_PATHS
+    )
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # outermost: checked first
+    return app
+
+
+def _add_routes(app: FastAPI, context: ServingContext) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not context.engine.alive:
+            raise OpenAIError(
+                503,
+                "the engine is not running",
+                error_type="server_error",
+                code="engine_unavailable",
+            )
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = context.metrics.render(context.engine.stats())
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [
+            ModelCard(
+                id=name,
+                created=context.started,
+                root=context.model.root,
+                max_model_len=context.model.max_model_len,
+                num_loops=context.model.num_loops,
+            )
+            for name in context.config.served_model_names
+        ]
+        return JSONResponse(to_json(ModelList(data=cards)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(request, context)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(request, context)

@@ -1,0 +1,62 @@
+"""What every request handler shares: settings, model facts, the engine thread and helpers.
+
+Owns: `ModelInfo` (immutable facts read from the engine before its thread starts) and
+`ServingContext`, built once per app, plus the served-model check. Must not: hold per-request
+state or the `Engine` itself (handlers reach the engine only through `EngineThread`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loopserve.engine.engine import Engine
+from loopserve.entrypoints.openai.chat_template import ChatTemplate
+from loopserve.entrypoints.openai.config import ServerConfig
+from loopserve.entrypoints.openai.engine_thread import EngineThread
+from loopserve.entrypoints.openai.errors import OpenAIError
+from loopserve.entrypoints.openai.logprobs import LogprobFormatter
+from loopserve.entrypoints.openai.metrics import ServerMetrics
+from loopserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    tokenizer: Tokenizer | None  # None: prompts must be token ids and outputs have no text
+    max_model_len: int
+    num_loops: int
+    root: str  # the checkpoint directory
+
+    @classmethod
+    def of(cls, engine: Engine) -> ModelInfo:
+        """Read from an engine whose thread has not started yet."""
+        return cls(
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
+            num_loops=engine.model_config.num_loops,
+            root=str(engine.config.model) if engine.config.model is not None else "built-in",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServingContext:
+    config: ServerConfig
+    model: ModelInfo
+    engine: EngineThread
+    metrics: ServerMetrics
+    chat_template: ChatTemplate | None
+    logprobs: LogprobFormatter
+    started: int  # Unix time the server started (the models' `created`)
+
+    def served_name(self, requested: str | None) -> str:
+        """The model name to report; a 404 OpenAIError for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.config.default_model_name
+        if requested not in self.config.served_model_names:
+            served = ", ".join(self.config.served_model_names)
+            raise OpenAIError(
+                404,
+                f"The model `{requested}` does not exist. This server serves: {served}.",
+                param="model",
+                code="model_not_found",
+            )
+        return requested

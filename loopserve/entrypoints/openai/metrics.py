@@ -1,0 +1,143 @@
+"""Server metrics and their Prometheus text rendering (`GET /metrics`).
+
+Owns: latency and exit-depth histograms, finished-request counters, and rendering them with the
+engine's latest `EngineStats` snapshot. Observations come from the engine thread and rendering
+from the event loop; one lock guards the numbers. Must not: touch the engine (the engine thread
+hands over outputs and stats) or depend on prometheus_client.
+
+Names follow vLLM's with a `loopserve:` prefix; times are in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from loopserve.engine.engine import EngineStats
+from loopserve.outputs import RequestOutput
+
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# Content type of the Prometheus text exposition format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(slots=True)
+class Histogram:
+    """A cumulative Prometheus histogram over fixed upper bounds."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(init=False)  # counts[i]: observations <= bounds[i] (not cumulated)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+        for index, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[index] += 1
+                return
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            cumulative += count
+            lines.append(f'{name}_bucket{{le="{_number(bound)}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{name}_sum {_number(self.total)}")
+        lines.append(f"{name}_count {self.count}")
+        return lines
+
+
+class ServerMetrics:
+    """Counters and histograms of finished requests and generated tokens."""
+
+    def __init__(self, num_loops: int) -> None:
+        self._lock = threading.Lock()
+        self.time_to_first_token = Histogram(LATENCY_BUCKETS)
+        self.time_per_output_token = Histogram(LATENCY_BUCKETS)
+        self.e2e_latency = Histogram(LATENCY_BUCKETS)
+        self.exit_depth = Histogram(tuple(float(depth) for depth in range(1, num_loops + 1)))
+        self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+
+    def observe(self, outputs: Iterable[tuple[RequestOutput, int]]) -> None:
+        """Record engine outputs, each with how many of its tokens are new (engine thread)."""
+        with self._lock:
+            for output, num_new in outputs:
+                self._observe_one(output, num_new)
+
+    def _observe_one(self, output: RequestOutput, num_new: int) -> None:
+        for depth in output.exit_depths[len(output.exit_depths) - num_new :]:
+            self.exit_depth.observe(depth)
+        times = output.metrics
+        if num_new and len(output.token_ids) == num_new and times.first_token_time is not None:
+            self.time_to_first_token.observe(times.first_token_time - times.arrival_time)
+        if not output.finished:
+            return
+        reason = output.finish_reason or "abort"
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        if reason == "abort" or times.finished_time is None:
+            return
+        self.e2e_latency.observe(times.finished_time - times.arrival_time)
+        if len(output.token_ids) > 1 and times.first_token_time is not None:
+            decode_time = times.finished_time - times.first_token_time
+            self.time_per_output_token.observe(decode_time / (len(output.token_ids) - 1))
+
+    def render(self, stats: EngineStats) -> str:
+        """The Prometheus text exposition of these metrics and an engine stats snapshot."""
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be admitted.", stats.num_waiting),
+            ("kv_pages_used", "KV cache pages in use.", stats.kv_pages_used),
+            ("kv_pages_free", "KV cache pages free.", stats.kv_pages_free),
+            ("kv_pages_total", "Usable KV cache pages.", stats.kv_pages_total),
+        ]
+        counters = [
+            ("prompt_tokens_total", "Prompt tokens prefilled.", stats.prefill_tokens),
+            ("generation_tokens_total", "Tokens generated.", stats.generated_tokens),
+            ("engine_steps_total", "Engine steps run.", stats.steps),
+        ]
+        lines: list[str] = []
+        for name, help_text, value in gauges:
+            lines += _sample(f"loopserve:{name}", "gauge", help_text, value)
+        for name, help_text, value in counters:
+            lines += _sample(f"loopserve:{name}", "counter", help_text, value)
+        with self._lock:
+            lines += self._render_locked()
+        return "\n".join(lines) + "\n"
+
+    def _render_locked(self) -> list[str]:
+        name = "loopserve:requests_finished_total"
+        lines = [f"# HELP {name} Requests finished, by finish reason.", f"# TYPE {name} counter"]
+        for reason, count in self.finished.items():
+            lines.append(f'{name}{{finish_reason="{reason}"}} {count}')
+        histograms: Sequence[tuple[str, Histogram, str]] = (
+            ("time_to_first_token_seconds", self.time_to_first_token, "Arrival to first token."),
+            ("time_per_output_token_seconds", self.time_per_output_token,
+             "Mean time per output token after the first, per finished request."),
+            ("e2e_request_latency_seconds", self.e2e_latency,
+             "Arrival to finish of requests that were not aborted."),
+            ("exit_depth", self.exit_depth, "Loops run by each generated token."),
+        )  # fmt: skip
+        for metric, histogram, help_text in histograms:
+            lines += histogram.render(f"loopserve:{metric}", help_text)
+        return lines
+
+
+def _sample(name: str, kind: str, help_text: str, value: float) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int) or (math.isfinite(value) and value == int(value)):
+        return str(int(value))
+    return repr(float(value))

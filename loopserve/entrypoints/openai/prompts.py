@@ -1,0 +1,154 @@
+"""From a validated request to engine requests: prompts, output budgets and sampling params.
+
+Owns: tokenizing prompts (run off the event loop), the context-length check and the default
+`max_tokens` (what is left of the context, as in vLLM), `n` fan-out with per-choice seeds
+(`seed + choice`, as in vLLM), and the `SamplingParams` of each choice. Must not: talk to the
+engine or format responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loopserve.entrypoints.openai.engine_thread import EngineRequest
+from loopserve.entrypoints.openai.errors import bad_request
+from loopserve.entrypoints.openai.protocol import GenerationFields
+from loopserve.sampling_params import SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, for echo (None when not needed or no tokenizer)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoicePlan:
+    """One choice of a response: which prompt it continues and its engine request."""
+
+    index: int  # the choice's `index` in the response
+    prompt_index: int
+    prompt: Prompt
+    request: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOptions:
+    """What the request asks of every choice, beyond the generation fields."""
+
+    max_tokens: int | None  # None: what is left of the context
+    logprobs: int | None
+    prompt_param: str  # the request field that holds the prompt, for error messages
+
+
+def tokenize_prompts(
+    prompt: PromptInput, tokenizer: Tokenizer | None, keep_text: bool
+) -> list[Prompt]:
+    """The prompts of a completion request (run in a worker thread: tokenizing can be slow)."""
+    if isinstance(prompt, str):
+        batch: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(token, int) for token in prompt):
+        batch = [prompt]  # type: ignore[list-item]
+    else:
+        batch = list(prompt)  # type: ignore[arg-type]
+    if not batch:
+        raise bad_request("prompt must not be empty", "prompt")
+    return [_prompt(item, tokenizer, keep_text, add_special_tokens=True) for item in batch]
+
+
+def tokenize_chat_prompt(text: str, tokenizer: Tokenizer | None) -> Prompt:
+    """A rendered chat prompt; the template already placed any special tokens."""
+    return _prompt(text, tokenizer, keep_text=False, add_special_tokens=False)
+
+
+def _prompt(
+    item: str | list[int], tokenizer: Tokenizer | None, keep_text: bool, add_special_tokens: bool
+) -> Prompt:
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
+        token_ids = tokenizer.encode(item, add_special_tokens=add_special_tokens)
+        return Prompt(token_ids, item if keep_text else None)
+    text = None
+    if keep_text and tokenizer is not None:
+        text = tokenizer.decode(item, skip_special_tokens=False)
+    return Prompt(list(item), text)
+
+
+def plan_choices(
+    base_id: str,
+    prompts: Sequence[Prompt],
+    request: GenerationFields,
+    options: ChoiceOptions,
+    max_model_len: int,
+    max_choices: int,
+) -> list[ChoicePlan]:
+    """One engine request per (prompt, choice); choice `index` = prompt_index * n + choice."""
+    if len(prompts) * request.n > max_choices:
+        raise bad_request(
+            f"{len(prompts)} prompts times n={request.n} is more than the {max_choices} choices "
+            "one request may ask for",
+            "n",
+        )
+    plans = []
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = output_budget(len(prompt.token_ids), options, max_model_len)
+        for choice in range(request.n):
+            seed = None if request.seed is None else request.seed + choice
+            params = sampling_params(request, max_tokens, options.logprobs, seed)
+            index = prompt_index * request.n + choice
+            engine_request = EngineRequest(f"{base_id}-{index}", prompt.token_ids, params)
+            plans.append(ChoicePlan(index, prompt_index, prompt, engine_request))
+    return plans
+
+
+def output_budget(num_prompt_tokens: int, options: ChoiceOptions, max_model_len: int) -> int:
+    """max_tokens for one prompt; a 400 OpenAIError when it does not fit the context."""
+    if num_prompt_tokens == 0:
+        raise bad_request("the prompt is empty", options.prompt_param)
+    if options.max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens, and the prompt "
+                f"has {num_prompt_tokens} tokens: no room is left for the completion.",
+                options.prompt_param,
+            )
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + options.max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + options.max_tokens} tokens ({num_prompt_tokens} in "
+            f"the prompt, {options.max_tokens} in the completion). Please reduce the length of "
+            "the prompt or the completion.",
+            "max_tokens",
+        )
+    return options.max_tokens
+
+
+def sampling_params(
+    request: GenerationFields, max_tokens: int, logprobs: int | None, seed: int | None
+) -> SamplingParams:
+    """The engine's params for one choice; a 400 OpenAIError when they are invalid."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            seed=seed,
+            ignore_eos=request.ignore_eos,
+            stop_token_ids=tuple(request.stop_token_ids),
+            stop=request.stop_strings,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            min_loops=request.min_loops,
+            max_loops=request.max_loops,
+            exit_threshold=request.exit_threshold,
+        )
+    except ValueError as error:
+        raise bad_request(str(error)) from None

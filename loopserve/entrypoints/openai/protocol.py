@@ -1,0 +1,170 @@
+"""Request bodies of the OpenAI API, as pydantic models (what clients may send).
+
+Owns: the fields of `/v1/completions` and `/v1/chat/completions`, their types and ranges, the
+vLLM and Ouro extensions, and rejecting OpenAI fields this server does not implement. Must not:
+know about the engine (serving code turns these into `SamplingParams`).
+
+Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
+`skip_special_tokens`, `return_token_ids` (as in vLLM), and the loop depth of each generated
+token: `min_loops`, `max_loops`, `exit_threshold`. Unknown fields are ignored, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
+
+# OpenAI fields accepted only at their no-op value: field -> what "not used" looks like.
+_UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+}
+
+
+_Request = TypeVar("_Request", bound="GenerationFields")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class GenerationFields(_Model):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM extensions.
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    # Ouro extensions: loop depth of each generated token.
+    min_loops: int = 1
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+    # Rejected unless neutral (see _UNSUPPORTED_UNLESS_NEUTRAL).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> GenerationFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationFields):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    # Log-probabilities of the sampled token and this many alternatives.
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (leave it unset or equal to n)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs prompt log-probabilities, not supported")
+        return self
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined with newlines (as in vLLM)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens (the current OpenAI name) or else max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse_request(model: type[_Request], body: Any) -> _Request:
+    """Validate a JSON body into `model`; raises a 400 OpenAIError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise _validation_error(error) from None
+    for name, neutral in _UNSUPPORTED_UNLESS_NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            raise bad_request(f"{name} is not supported by this server", param=name)
+    return request
+
+
+def _validation_error(error: ValidationError) -> OpenAIError:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    problems = f" (and {error.error_count() - 1} more problems)" if error.error_count() > 1 else ""
+    where = f"{location}: " if location else ""
+    return bad_request(f"{where}{message}{problems}", param=location or None)

@@ -1,0 +1,111 @@
+"""The skeleton shared by the generation endpoints: engine requests in, one response out.
+
+Owns: `respond` (start the generation, then stream events or wait for the final outputs while
+watching for a disconnect; whatever ends the response aborts what is unfinished), merging a
+generation's outputs into per-choice deltas, SSE framing of chunk streams (an error after the
+headers went out becomes an error event), and usage counts. Must not: know the fields of a
+particular endpoint (its `ResponseWriter` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loopserve.entrypoints.openai.choice_state import ChoiceDelta, ChoiceState
+from loopserve.entrypoints.openai.engine_thread import EngineThread
+from loopserve.entrypoints.openai.errors import OpenAIError
+from loopserve.entrypoints.openai.generation import Generation
+from loopserve.entrypoints.openai.prompts import ChoicePlan
+from loopserve.entrypoints.openai.responses import Usage
+from loopserve.entrypoints.openai.streaming import (
+    DONE_EVENT,
+    EventStreamResponse,
+    sse_event,
+    unless_disconnected,
+)
+from loopserve.outputs import RequestOutput
+
+# Status logged for a request whose client left before its response (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseIdentity:
+    id: str
+    created: int  # Unix seconds
+    model: str
+
+
+class ResponseWriter(Protocol):
+    def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
+        """The JSON chunks of a streamed response."""
+        ...
+
+    def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
+        """The JSON body of a complete response, from each request's final output."""
+        ...
+
+
+async def respond(
+    request: Request,
+    engine: EngineThread,
+    plans: Sequence[ChoicePlan],
+    stream: bool,
+    writer: ResponseWriter,
+) -> Response:
+    """Run the plans' engine requests and answer with their result (JSON or SSE)."""
+    generation = Generation(engine, [plan.request for plan in plans])
+    await generation.start()
+    if stream:
+        return EventStreamResponse(_events(writer.chunks(generation)), on_close=generation.close)
+    try:
+        outputs = await unless_disconnected(generation.final_outputs(), request.receive)
+    finally:
+        generation.close()
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(writer.response(outputs))
+
+
+async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except OpenAIError as error:
+        yield sse_event(error.body())
+    yield DONE_EVENT
+
+
+async def choice_deltas(
+    generation: Generation, plans: Sequence[ChoicePlan]
+) -> AsyncIterator[tuple[ChoicePlan, ChoiceDelta]]:
+    """Per-choice deltas as outputs arrive: one per choice that has something new per batch."""
+    by_id = {plan.request.request_id: plan for plan in plans}
+    states = {
+        request_id: ChoiceState(plan.request.params.stop) for request_id, plan in by_id.items()
+    }
+    async for batch in generation.batches():
+        changed: dict[str, None] = {}
+        for output in batch:
+            states[output.request_id].update(output)
+            changed[output.request_id] = None
+        for request_id in changed:
+            delta = states[request_id].take_delta()
+            if delta is not None:
+                yield by_id[request_id], delta
+
+
+def usage(plans: Sequence[ChoicePlan], completion_tokens: int) -> Usage:
+    """Prompt tokens count once per prompt (not per choice), as in vLLM."""
+    prompt_lengths = {plan.prompt_index: len(plan.prompt.token_ids) for plan in plans}
+    prompt_tokens = sum(prompt_lengths.values())
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )

@@ -1,0 +1,168 @@
+"""`POST /v1/chat/completions`: messages -> the assistant's reply, streamed or not.
+
+Owns: rendering the messages with the chat template and tokenizing them off the event loop,
+and writing the chat response and its chunks (a first `role` delta per choice, content deltas,
+chat log-probs, `exit_depths`, usage). Must not: touch the engine except through
+`serving.respond`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from loopserve.entrypoints.openai.choice_state import ChoiceDelta
+from loopserve.entrypoints.openai.context import ServingContext
+from loopserve.entrypoints.openai.errors import bad_request
+from loopserve.entrypoints.openai.generation import Generation
+from loopserve.entrypoints.openai.limits import read_json_body
+from loopserve.entrypoints.openai.prompts import (
+    ChoiceOptions,
+    ChoicePlan,
+    Prompt,
+    plan_choices,
+    tokenize_chat_prompt,
+)
+from loopserve.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
+from loopserve.entrypoints.openai.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    Usage,
+    to_json,
+)
+from loopserve.entrypoints.openai.serving import (
+    ResponseIdentity,
+    choice_deltas,
+    respond,
+    usage,
+)
+from loopserve.outputs import RequestOutput, TokenLogprobs
+
+
+async def create_chat_completion(request: Request, context: ServingContext) -> Response:
+    body = await read_json_body(request, context.config.max_request_bytes)
+    chat = parse_request(ChatCompletionRequest, body)
+    identity = ResponseIdentity(
+        f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), context.served_name(chat.model)
+    )
+    prompt = await asyncio.to_thread(_chat_prompt, chat, context)
+    options = ChoiceOptions(chat.output_limit, chat.num_logprobs, "messages")
+    plans = plan_choices(
+        identity.id,
+        [prompt],
+        chat,
+        options,
+        context.model.max_model_len,
+        context.config.max_choices_per_request,
+    )
+    writer = _ChatWriter(identity, plans, chat, context)
+    return await respond(request, context.engine, plans, chat.stream, writer)
+
+
+def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> Prompt:
+    """Render and tokenize (run in a worker thread)."""
+    if context.chat_template is None:
+        raise bad_request(
+            "this model has no chat template (no chat_template in its tokenizer_config.json); "
+            "start the server with --chat-template FILE, or use /v1/completions",
+            "messages",
+        )
+    messages = [_message_dict(item.role, item.text(), item.name) for item in chat.messages]
+    text = context.chat_template.render(messages, chat.add_generation_prompt)
+    return tokenize_chat_prompt(text, context.model.tokenizer)
+
+
+def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
+    message = {"role": role, "content": content}
+    if name is not None:
+        message["name"] = name
+    return message
+
+
+class _ChatWriter:
+    def __init__(
+        self,
+        identity: ResponseIdentity,
+        plans: Sequence[ChoicePlan],
+        request: ChatCompletionRequest,
+        context: ServingContext,
+    ) -> None:
+        self._identity = identity
+        self._plans = plans
+        self._request = request
+        self._context = context
+
+    def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
+        with_ids = self._request.return_token_ids
+        choices = []
+        for plan in self._plans:
+            output = outputs[plan.request.request_id]
+            choices.append(
+                ChatChoice(
+                    index=plan.index,
+                    message=AssistantMessage(content=output.text),
+                    logprobs=self._chat_logprobs(output.logprobs),
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                    exit_depths=output.exit_depths,
+                    token_ids=output.token_ids if with_ids else None,
+                )
+            )
+        num_tokens = sum(len(outputs[plan.request.request_id].token_ids) for plan in self._plans)
+        response = ChatCompletionResponse(
+            id=self._identity.id,
+            created=self._identity.created,
+            model=self._identity.model,
+            choices=choices,
+            usage=usage(self._plans, num_tokens),
+            prompt_token_ids=self._plans[0].prompt.token_ids if with_ids else None,
+        )
+        return to_json(response)
+
+    async def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
+        for plan in self._plans:
+            role = ChatDelta(role="assistant", content="")
+            yield self._chunk([ChatChunkChoice(index=plan.index, delta=role, exit_depths=[])])
+        num_tokens = 0
+        async for plan, delta in choice_deltas(generation, self._plans):
+            num_tokens += len(delta.token_ids)
+            yield self._chunk([self._chunk_choice(plan, delta)])
+        if self._request.include_usage_in_stream:
+            yield self._chunk([], usage_counts=usage(self._plans, num_tokens))
+
+    def _chunk_choice(self, plan: ChoicePlan, delta: ChoiceDelta) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            index=plan.index,
+            delta=ChatDelta(content=delta.text),
+            logprobs=self._chat_logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            exit_depths=delta.exit_depths,
+            token_ids=delta.token_ids if self._request.return_token_ids else None,
+        )
+
+    def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
+        return self._context.logprobs.chat(entries) if entries is not None else None
+
+    def _chunk(
+        self, choices: list[ChatChunkChoice], usage_counts: Usage | None = None
+    ) -> dict[str, Any]:
+        chunk = ChatCompletionChunk(
+            id=self._identity.id,
+            created=self._identity.created,
+            model=self._identity.model,
+            choices=choices,
+            usage=usage_counts,
+        )
+        return to_json(chunk)

@@ -1,0 +1,147 @@
+"""`POST /v1/completions`: prompts (text, texts, token ids) -> completions, streamed or not.
+
+Owns: turning a `CompletionRequest` into choice plans and writing the completions response and
+its chunks (echo, log-probs with text offsets, `exit_depths`, usage). Must not: touch the engine
+except through `serving.respond`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from loopserve.entrypoints.openai.choice_state import ChoiceDelta
+from loopserve.entrypoints.openai.context import ServingContext
+from loopserve.entrypoints.openai.generation import Generation
+from loopserve.entrypoints.openai.limits import read_json_body
+from loopserve.entrypoints.openai.prompts import (
+    ChoiceOptions,
+    ChoicePlan,
+    plan_choices,
+    tokenize_prompts,
+)
+from loopserve.entrypoints.openai.protocol import CompletionRequest, parse_request
+from loopserve.entrypoints.openai.responses import (
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+    to_json,
+)
+from loopserve.entrypoints.openai.serving import (
+    ResponseIdentity,
+    choice_deltas,
+    respond,
+    usage,
+)
+from loopserve.outputs import RequestOutput
+
+
+async def create_completion(request: Request, context: ServingContext) -> Response:
+    body = await read_json_body(request, context.config.max_request_bytes)
+    completion = parse_request(CompletionRequest, body)
+    identity = ResponseIdentity(
+        f"cmpl-{uuid.uuid4().hex}", int(time.time()), context.served_name(completion.model)
+    )
+    prompts = await asyncio.to_thread(
+        tokenize_prompts, completion.prompt, context.model.tokenizer, completion.echo
+    )
+    options = ChoiceOptions(completion.max_tokens, completion.logprobs, "prompt")
+    plans = plan_choices(
+        identity.id,
+        prompts,
+        completion,
+        options,
+        context.model.max_model_len,
+        context.config.max_choices_per_request,
+    )
+    writer = _CompletionWriter(identity, plans, completion, context)
+    return await respond(request, context.engine, plans, completion.stream, writer)
+
+
+class _CompletionWriter:
+    def __init__(
+        self,
+        identity: ResponseIdentity,
+        plans: Sequence[ChoicePlan],
+        request: CompletionRequest,
+        context: ServingContext,
+    ) -> None:
+        self._identity = identity
+        self._plans = plans
+        self._request = request
+        self._context = context
+
+    def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for plan in self._plans:
+            output = outputs[plan.request.request_id]
+            echo = self._echo(plan)
+            delta = ChoiceDelta(
+                text=echo + output.text,
+                token_ids=output.token_ids,
+                exit_depths=output.exit_depths,
+                logprobs=output.logprobs,
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            )
+            choices.append(self._choice(plan, delta, len(echo))[0])
+        num_tokens = sum(len(outputs[plan.request.request_id].token_ids) for plan in self._plans)
+        return to_json(self._body(choices, usage(self._plans, num_tokens)))
+
+    async def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
+        offsets = {plan.index: 0 for plan in self._plans}
+        if self._request.echo:
+            for plan in self._plans:
+                echo = self._echo(plan)
+                offsets[plan.index] = len(echo)
+                yield to_json(self._body([_text_choice(plan.index, echo)]))
+        num_tokens = 0
+        async for plan, delta in choice_deltas(generation, self._plans):
+            choice, offsets[plan.index] = self._choice(plan, delta, offsets[plan.index])
+            num_tokens += len(delta.token_ids)
+            yield to_json(self._body([choice]))
+        if self._request.include_usage_in_stream:
+            yield to_json(self._body([], usage(self._plans, num_tokens)))
+
+    def _choice(
+        self, plan: ChoicePlan, delta: ChoiceDelta, text_offset: int
+    ) -> tuple[CompletionChoice, int]:
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs, text_offset = self._context.logprobs.completion(delta.logprobs, text_offset)
+        with_ids = self._request.return_token_ids
+        choice = CompletionChoice(
+            index=plan.index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            exit_depths=delta.exit_depths,
+            token_ids=delta.token_ids if with_ids else None,
+            prompt_token_ids=plan.prompt.token_ids if with_ids else None,
+        )
+        return choice, text_offset
+
+    def _echo(self, plan: ChoicePlan) -> str:
+        return (plan.prompt.text or "") if self._request.echo else ""
+
+    def _body(
+        self, choices: list[CompletionChoice], usage_counts: Usage | None = None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=self._identity.id,
+            created=self._identity.created,
+            model=self._identity.model,
+            choices=choices,
+            usage=usage_counts,
+        )
+
+
+def _text_choice(index: int, text: str) -> CompletionChoice:
+    return CompletionChoice(index=index, text=text, exit_depths=[])

@@ -1,0 +1,123 @@
+"""Helpers of the HTTP server tests: a tiny checkpoint with a real tokenizer and chat template,
+and servers running uvicorn on a free loopback port in a thread, reached through real HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 256
+MAX_REQUEST_BYTES = 64 * 1024
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message.role }}|>{{ message.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Text with multi-byte characters, so byte-level tokens split UTF-8 sequences.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Héllo wörld, naïve café, ünïcode façade. " * 8,
+    "日本語のテキストと中文文本，还有表情符号 🙂🚀 and Ελληνικά γράμματα, русский текст. " * 8,
+    "def add(x, y):\n    return x + y\n\nfor item in range(10):\n    print(item)\n" * 8,
+]
+
+
+def engine_options() -> dict[str, Any]:
+    """EngineConfig options every test engine uses (small KV cache: fast to allocate)."""
+    return {"num_kv_pages": 2048, "max_num_seqs": 64, "seed": 0}
+
+
+def write_tiny_model(directory: Path) -> Path:
+    from loopserve.models.checkpoint_writer import write_random_checkpoint
+    from loopserve.models.ouro_config import OuroConfig
+    from loopserve.train.corpus import CorpusFile
+    from loopserve.train.tokenizer_training import save_tokenizer, train_tokenizer
+
+    files = [CorpusFile(f"text{index}", text) for index, text in enumerate(_CORPUS)]
+    tokenizer = train_tokenizer(files, vocab_size=400)
+    config = OuroConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=MAX_MODEL_LEN,
+    )
+    write_random_checkpoint(directory, config)
+    save_tokenizer(tokenizer, directory)
+    tokenizer_config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return directory
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    api_key: str | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, by name."""
+        response = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10)
+        response.raise_for_status()
+        samples = {}
+        for line in response.text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def wait_until_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Metrics once no request runs or waits (aborts are applied asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            samples = self.metrics()
+            running = samples["loopserve:num_requests_running"]
+            idle = running + samples["loopserve:num_requests_waiting"] == 0
+            if idle or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.05)
+
+
+@contextmanager
+def serve_in_thread(model: Path, **server_options: Any) -> Iterator[RunningServer]:
+    """Run `loopserve serve` in-process on a free port until the block ends."""
+    import uvicorn
+
+    from loopserve.config import EngineConfig
+    from loopserve.engine.engine import Engine
+    from loopserve.entrypoints.openai.app import build_app
+    from loopserve.entrypoints.openai.config import ServerConfig
+    from loopserve.entrypoints.openai.server import uvicorn_config
+
+    config = ServerConfig(served_model_names=("tiny",), log_level="warning", **server_options)
+    app = build_app(Engine(EngineConfig(model=str(model), **engine_options())), config)
+    server = uvicorn.Server(uvicorn_config(app, config))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", config.api_key)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
