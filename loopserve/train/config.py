@@ -55,7 +55,7 @@ class ModelShape:
 
 @dataclass(frozen=True, slots=True)
 class Stage1Config:
-    """Stage 1: the whole model minimises the exit-weighted loss over loops minus an entropy bonus."""
+    """Stage 1: the whole model minimises the exit-weighted loss minus an entropy bonus."""
 
     steps: int = 1500
     # Sequences per step (each `TrainTinyConfig.seq_len` tokens).
@@ -75,6 +75,10 @@ class Stage1Config:
     # Print progress every log_every steps and the held-out loss every eval_every steps.
     log_every: int = 25
     eval_every: int = 250
+    # Wall-time budget in seconds: once the steps would not fit, the cosine decay is compressed to
+    # end on time and stage 1 stops early (such a run is not step-for-step reproducible).
+    # None: no budget.
+    time_limit_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +127,7 @@ def _small() -> TrainTinyConfig:
     )
     return TrainTinyConfig(
         model=model,
-        stage1=Stage1Config(
-            steps=60, batch_size=8, warmup_steps=10, log_every=10, eval_every=30
-        ),
+        stage1=Stage1Config(steps=60, batch_size=8, warmup_steps=10, log_every=10, eval_every=30),
         stage2=Stage2Config(steps=20, batch_size=8, log_every=10),
         seq_len=128,
         max_files=120,

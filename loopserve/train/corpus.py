@@ -99,7 +99,8 @@ def load_split(
     names = list_files(root)
     if max_files is not None:
         names = sorted(sorted(names, key=_path_hash)[:max_files])
-    train, held_out = [], []
+    train: list[CorpusFile] = []
+    held_out: list[CorpusFile] = []
     for name in names:
         file = CorpusFile(name, read_text(root / name))
         if file.text.startswith(_GENERATED_MARKER):

@@ -1,7 +1,7 @@
 """Token streams for training and evaluation, and the seeded batch sampler.
 
-Owns: turning tokenized documents into one flat token stream (every document followed by the separator
-token), drawing random training windows from it reproducibly, and cutting it into fixed
+Owns: turning tokenized documents into one flat token stream (every document followed by the
+separator token), drawing random training windows from it reproducibly, and cutting it into fixed
 evaluation windows. Must not: know the model or the training objective.
 """
 

@@ -42,6 +42,11 @@ def causal_attention(batch: int, seq_len: int) -> AttentionFn:
     return attend
 
 
+def mixed_precision(device_type: str, dtype: torch.dtype | None) -> torch.autocast:
+    """Autocast to `dtype` (bf16 on a GPU), or a disabled context for plain fp32 (dtype None)."""
+    return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
 def gate_logit(model: OuroForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [T, H] -> fp32 [T]; `model.exit_probability` is the sigmoid of this."""
     gate = model.model.early_exit_gate
@@ -49,7 +54,9 @@ def gate_logit(model: OuroForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), gate.weight.float(), gate.bias.float()).squeeze(-1)
 
 
-def loop_context(model: OuroForCausalLM, batch: int, seq_len: int, device: torch.device) -> LoopContext:
+def loop_context(
+    model: OuroForCausalLM, batch: int, seq_len: int, device: torch.device
+) -> LoopContext:
     positions = torch.arange(seq_len, device=device).repeat(batch)  # [T]
     cos, sin = model.rope(positions)
     return LoopContext(cos=cos, sin=sin, attention=causal_attention(batch, seq_len))
@@ -89,7 +96,7 @@ def mean_loop_losses(
     count = 0
     for start in range(0, windows.shape[0], batch_size):
         chunk = windows[start : start + batch_size]
-        with torch.autocast(windows.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        with mixed_precision(windows.device.type, autocast):
             states = loop_hidden_states(model, chunk[:, :-1])
             outputs = per_loop_outputs(model, states, chunk[:, 1:])
         totals += outputs.losses.double().sum(1)

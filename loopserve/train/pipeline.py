@@ -70,7 +70,9 @@ def train_tiny(
         # A small corpus may not support as many merges as asked for; size the model to it.
         config = replace(config, model=replace(config.model, vocab_size=tokenizer.get_vocab_size()))
     train_stream = _stream(tokenizer, split.train).to(device)
-    held_out = eval_windows(_stream(tokenizer, split.held_out), config.seq_len + 1, config.eval_tokens)
+    held_out = eval_windows(
+        _stream(tokenizer, split.held_out), config.seq_len + 1, config.eval_tokens
+    )
     log.emit(
         "data",
         train_files=len(split.train),
@@ -83,8 +85,10 @@ def train_tiny(
     autocast = torch.bfloat16 if device.type == "cuda" else None
     started = time.perf_counter()
     sampler = BatchSampler(train_stream, config.seq_len, seed=config.seed)
-    train_stage1(model, sampler, held_out.to(device), config.stage1, autocast, log)
+    stage1_steps = train_stage1(model, sampler, held_out.to(device), config.stage1, autocast, log)
     stage1_s = time.perf_counter() - started
+    if stage1_steps < config.stage1.steps:
+        log.message(f"stage 1 stopped by its time limit after {stage1_steps} steps")
     gate_sampler = BatchSampler(train_stream, config.seq_len, seed=config.seed + 1)
     train_stage2(model, gate_sampler, config.stage2, autocast, log)
     losses = mean_loop_losses(model, held_out.to(device), config.stage1.batch_size, autocast)
@@ -98,6 +102,7 @@ def train_tiny(
             "held_out_files": [file.relative_path for file in split.held_out],
         },
         "train_tokens": train_stream.numel(),
+        "stage1_steps_run": stage1_steps,
         "heldout_loop_losses": losses,
         "seconds": {"stage1": round(stage1_s, 1), "total": round(time.perf_counter() - started, 1)},
         "versions": _versions(device),

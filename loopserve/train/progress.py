@@ -25,7 +25,9 @@ def _format_value(value: Any) -> str:
 class ProgressLog:
     """Prints `stage key=value ...` lines and keeps every record with its elapsed time."""
 
-    def __init__(self, stream: TextIO | None = sys.stdout, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, stream: TextIO | None = sys.stdout, clock: Callable[[], float] = time.monotonic
+    ):
         self._stream = stream
         self._clock = clock
         self._start = clock()
@@ -39,7 +41,9 @@ class ProgressLog:
         self.records.append(record)
         if self._stream is not None:
             fields = " ".join(f"{key}={_format_value(value)}" for key, value in values.items())
-            print(f"[{record['elapsed_s']:8.1f}s] {stage:<8} {fields}", file=self._stream, flush=True)
+            print(
+                f"[{record['elapsed_s']:8.1f}s] {stage:<8} {fields}", file=self._stream, flush=True
+            )
 
     def message(self, text: str) -> None:
         self.emit("info", message=text)

@@ -16,7 +16,12 @@ from torch import nn
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.train.config import ModelShape, Stage1Config
 from loopserve.train.data import BatchSampler
-from loopserve.train.looped_forward import loop_hidden_states, mean_loop_losses, per_loop_outputs
+from loopserve.train.looped_forward import (
+    loop_hidden_states,
+    mean_loop_losses,
+    mixed_precision,
+    per_loop_outputs,
+)
 from loopserve.train.objectives import stage1_terms
 from loopserve.train.progress import ProgressLog
 
@@ -42,18 +47,51 @@ def build_model(shape: ModelShape, gate_bias: float, seed: int) -> OuroForCausal
     return model
 
 
-def learning_rate(step: int, steps: int, peak: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup to `peak`, then cosine decay to `peak * min_ratio` at the last step."""
+def learning_rate(step: int, progress: float, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay from `peak` to `peak * min_ratio` as
+    `progress` (the fraction of the run after warmup) goes from 0 to 1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
+    progress = min(1.0, max(0.0, progress))
     return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class _Schedule:
+    """Where stage 1 is: by steps, or by wall time once `time_limit_s` would be exceeded."""
+
+    def __init__(self, config: Stage1Config) -> None:
+        self._config = config
+        self._start = time.perf_counter()
+
+    def progress(self, step: int) -> float:
+        config = self._config
+        by_steps = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        if config.time_limit_s is None:
+            return by_steps
+        return max(by_steps, (time.perf_counter() - self._start) / config.time_limit_s)
+
+    def rate(self, step: int) -> float:
+        config = self._config
+        return learning_rate(
+            step,
+            self.progress(step),
+            config.learning_rate,
+            config.warmup_steps,
+            config.min_lr_ratio,
+        )
+
+    def finished(self, step: int) -> bool:
+        """True after the last step (the step count, or the time limit once warmup is over)."""
+        return step >= self._config.steps or (
+            step > self._config.warmup_steps and self.progress(step) >= 1.0
+        )
 
 
 def _optimizer(model: OuroForCausalLM, config: Stage1Config) -> torch.optim.AdamW:
     gate = model.model.early_exit_gate
     gate_params = {id(gate.weight), id(gate.bias)}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         (decay if param.ndim >= 2 and id(param) not in gate_params else no_decay).append(param)
     groups = [
@@ -64,6 +102,38 @@ def _optimizer(model: OuroForCausalLM, config: Stage1Config) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(0.9, 0.95), fused=fused)
 
 
+def _step(
+    model: OuroForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    config: Stage1Config,
+    autocast: torch.dtype | None,
+) -> dict[str, object]:
+    """One optimiser step; returns the progress record's values (tensors, not yet synced)."""
+    with mixed_precision(inputs.device.type, autocast):
+        outputs = per_loop_outputs(model, loop_hidden_states(model, inputs), targets)
+    terms = stage1_terms(outputs.losses, outputs.gate_logits, config.entropy_weight)
+    optimizer.zero_grad(set_to_none=True)
+    terms.loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    return {
+        "loss": terms.expected_loss,
+        "loop_losses": outputs.losses.detach().mean(1),
+        "exit_dist": terms.exit_distribution,
+        "entropy": terms.entropy,
+        "grad_norm": grad_norm,
+    }
+
+
+def _synced(values: dict[str, object]) -> dict[str, object]:
+    return {
+        key: value.tolist() if isinstance(value, torch.Tensor) else value
+        for key, value in values.items()
+    }
+
+
 def train_stage1(
     model: OuroForCausalLM,
     sampler: BatchSampler,
@@ -71,8 +141,8 @@ def train_stage1(
     config: Stage1Config,
     autocast: torch.dtype | None,
     log: ProgressLog,
-) -> None:
-    """Train every parameter for `config.steps` steps, logging progress and held-out losses.
+) -> int:
+    """Train every parameter, logging progress and held-out losses; returns the steps run.
 
     Args:
         held_out: evaluation windows [W, S+1] for the periodic per-loop held-out loss.
@@ -80,42 +150,27 @@ def train_stage1(
     """
     model.train()
     optimizer = _optimizer(model, config)
-    device_type = held_out.device.type
+    schedule = _Schedule(config)
     tokens_since, since = 0, time.perf_counter()
-    for step in range(config.steps):
-        rate = learning_rate(
-            step, config.steps, config.learning_rate, config.warmup_steps, config.min_lr_ratio
-        )
+    step = 0
+    while not schedule.finished(step):
+        rate = schedule.rate(step)
         for group in optimizer.param_groups:
             group["lr"] = rate
         inputs, targets = sampler.next_batch(config.batch_size)
-        with torch.autocast(device_type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            outputs = per_loop_outputs(model, loop_hidden_states(model, inputs), targets)
-        terms = stage1_terms(outputs.losses, outputs.gate_logits, config.entropy_weight)
-        optimizer.zero_grad(set_to_none=True)
-        terms.loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
+        values = _step(model, optimizer, inputs, targets, config, autocast)
         tokens_since += inputs.numel()
-        last = step == config.steps - 1
-        if step % config.log_every == 0 or last:
-            now = time.perf_counter()
-            log.emit(
-                "stage1",
-                step=step,
-                loss=terms.expected_loss.item(),
-                loop_losses=outputs.losses.detach().mean(1).tolist(),
-                exit_dist=terms.exit_distribution.tolist(),
-                entropy=terms.entropy.item(),
-                grad_norm=grad_norm.item(),
-                lr=rate,
-                tokens_per_s=round(tokens_since / (now - since)),
-            )
+        step += 1
+        last = schedule.finished(step)
+        if (step - 1) % config.log_every == 0 or last:
+            rate_now = round(tokens_since / (time.perf_counter() - since))
+            log.emit("stage1", step=step - 1, **_synced(values), lr=rate, tokens_per_s=rate_now)
             tokens_since, since = 0, time.perf_counter()
-        if (step + 1) % config.eval_every == 0 or last:
+        if step % config.eval_every == 0 or last:
             model.eval()
             losses = mean_loop_losses(model, held_out, config.batch_size, autocast)
-            log.emit("heldout", step=step, loop_losses=losses)
+            log.emit("heldout", step=step - 1, loop_losses=losses)
             model.train()
             tokens_since, since = 0, time.perf_counter()
     model.eval()
+    return step

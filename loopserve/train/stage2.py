@@ -14,20 +14,25 @@ import torch
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.train.config import Stage2Config
 from loopserve.train.data import BatchSampler
-from loopserve.train.looped_forward import gate_logit, loop_hidden_states, per_loop_outputs
+from loopserve.train.looped_forward import (
+    gate_logit,
+    loop_hidden_states,
+    mixed_precision,
+    per_loop_outputs,
+)
 from loopserve.train.objectives import exit_targets, stage2_loss
 from loopserve.train.progress import ProgressLog
 from loopserve.train.stage1 import learning_rate
 
 
 def _frozen_pass(
-    model: OuroForCausalLM, inputs: torch.Tensor, targets: torch.Tensor, autocast: torch.dtype | None
+    model: OuroForCausalLM,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    autocast: torch.dtype | None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Hidden states after each loop ([T, H] each, detached) and per-loop losses [L, T]."""
-    with (
-        torch.no_grad(),
-        torch.autocast(inputs.device.type, dtype=autocast or torch.float32, enabled=autocast is not None),
-    ):
+    with torch.no_grad(), mixed_precision(inputs.device.type, autocast):
         states = loop_hidden_states(model, inputs)
         losses = per_loop_outputs(model, states, targets).losses
     return states, losses
@@ -47,7 +52,7 @@ def train_stage2(
     optimizer = torch.optim.Adam(gate.parameters(), lr=config.learning_rate)
     tokens_since, since = 0, time.perf_counter()
     for step in range(config.steps):
-        rate = learning_rate(step, config.steps, config.learning_rate, 0, 0.1)
+        rate = learning_rate(step, step / config.steps, config.learning_rate, 0, 0.1)
         for group in optimizer.param_groups:
             group["lr"] = rate
         inputs, targets = sampler.next_batch(config.batch_size)

@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "loopserve.entrypoints.cli.serve",
     "make-checkpoint": "loopserve.entrypoints.cli.make_checkpoint",
     "bench": "loopserve.entrypoints.cli.bench",
+    "train-tiny": "loopserve.entrypoints.cli.train_tiny",
+    "eval": "loopserve.entrypoints.cli.eval",
 }
 
 

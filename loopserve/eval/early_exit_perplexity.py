@@ -1,0 +1,139 @@
+"""Exact teacher-forced scoring with gate-driven early exit, computed densely loop by loop.
+
+Owns: the log-probability of every next token of a batch of windows, and the loop after which
+each position exited, under the `full` KV layout (ARCHITECTURE.md §2) and the `ouro` exit mode.
+Must not: sample, batch requests, or use any exit arithmetic but `loopserve.models.exit_rule`.
+
+Teacher forcing as the serial reference does it: position 0 of a window is the prompt and runs
+all `max_loops` loops; every later position is a forced token that runs loops until the exit rule
+fires. Position p's logits at its exit loop e_p predict token p+1. A query at loop d sees every
+earlier position j at KV version min(d, e_j): at loop d all positions still running compute
+fresh K/V, positions that exited earlier keep the K/V of their exit loop. Running this for all
+positions at once is exact because a position's exit depends only on earlier positions.
+
+Shapes: B windows of S tokens, T = B*S flattened, H hidden, L loops, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loopserve.models.exit_rule import next_survival, threshold_reached
+from loopserve.models.ouro import LoopContext, OuroForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class ExitSettings:
+    """The depth settings of one evaluation (as the SamplingParams fields of the same names)."""
+
+    # 1.0: fixed depth (the gate is not evaluated); below 1: exit once the CDF reaches it.
+    exit_threshold: float
+    max_loops: int
+    min_loops: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.exit_threshold <= 1.0:
+            raise ValueError(f"exit_threshold must be in (0, 1], got {self.exit_threshold}")
+        if not 1 <= self.min_loops <= self.max_loops:
+            raise ValueError(
+                f"need 1 <= min_loops ({self.min_loops}) <= max_loops ({self.max_loops})"
+            )
+
+
+@dataclass(slots=True)
+class WindowScores:
+    logprobs: torch.Tensor  # [B, S-1] fp32: log p(token p+1 | tokens <= p) at p's exit loop
+    exit_depths: torch.Tensor  # [B, S-1] int64: loops run by position p
+
+
+class _FrozenKVAttention:
+    """Causal attention in which positions that exited keep the K/V of their exit loop."""
+
+    def __init__(self, batch: int, seq_len: int, num_layers: int) -> None:
+        self.batch, self.seq_len = batch, seq_len
+        self.running = torch.ones(batch * seq_len, dtype=torch.bool)  # [T]
+        # The latest K/V version of every position, per layer: [T, Nkv, D].
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+
+    def _latest(
+        self, store: list[torch.Tensor | None], layer: int, fresh: torch.Tensor
+    ) -> torch.Tensor:
+        previous = store[layer]
+        merged = (
+            fresh if previous is None else torch.where(self.running[:, None, None], fresh, previous)
+        )
+        store[layer] = merged
+        return merged
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        k = self._latest(self._keys, layer, k)
+        v = self._latest(self._values, layer, v)
+        batch, seq_len = self.batch, self.seq_len
+        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        q4 = q.view(batch, seq_len, heads, head_dim).transpose(1, 2)  # [B, Nq, S, D]
+        k4 = k.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)  # [B, Nkv, S, D]
+        v4 = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
+        if heads != kv_heads:
+            k4 = k4.repeat_interleave(heads // kv_heads, dim=1)
+            v4 = v4.repeat_interleave(heads // kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)  # [B, Nq, S, D]
+        return out.transpose(1, 2).reshape(batch * seq_len, heads, head_dim)
+
+
+def _exits_after_loop(
+    loop: int, survival: torch.Tensor, is_prompt: torch.Tensor, settings: ExitSettings
+) -> torch.Tensor:
+    """[T] bool: positions whose exit rule fires after `loop` (prompt positions run every loop)."""
+    if loop == settings.max_loops:
+        return torch.ones_like(is_prompt)
+    if settings.exit_threshold >= 1.0:
+        return torch.zeros_like(is_prompt)
+    reached = threshold_reached(survival, loop, settings.min_loops, settings.exit_threshold)
+    return reached & ~is_prompt
+
+
+@torch.no_grad()
+def score_windows(
+    model: OuroForCausalLM, windows: torch.Tensor, settings: ExitSettings
+) -> WindowScores:
+    """Teacher-forced log-probabilities and exit depths for windows [B, S] (see module doc)."""
+    if settings.max_loops > model.config.num_loops:
+        raise ValueError(
+            f"max_loops {settings.max_loops} exceeds the model's {model.config.num_loops} loops"
+        )
+    batch, seq_len = windows.shape
+    device = windows.device
+    attention = _FrozenKVAttention(batch, seq_len, model.config.num_hidden_layers)
+    attention.running = attention.running.to(device)
+    positions = torch.arange(seq_len, device=device).repeat(batch)  # [T]
+    is_prompt = positions == 0
+    targets = torch.roll(windows, shifts=-1, dims=1).reshape(-1)  # [T]; the last column is unused
+    cos, sin = model.rope(positions)
+    ctx = LoopContext(cos=cos, sin=sin, attention=attention)
+    hidden = model.embed(windows.reshape(-1))  # [T, H]
+    survival = torch.ones(batch * seq_len, dtype=torch.float32, device=device)
+    logprobs = torch.zeros(batch * seq_len, dtype=torch.float32, device=device)
+    depths = torch.zeros(batch * seq_len, dtype=torch.int64, device=device)
+    for loop in range(1, settings.max_loops + 1):
+        hidden = model.run_loop(hidden, ctx)
+        running = attention.running
+        if settings.exit_threshold < 1.0 and loop < settings.max_loops:
+            hazard = model.exit_probability(hidden)  # [T] fp32
+            survival = torch.where(running, next_survival(survival, hazard), survival)
+        exits = running & _exits_after_loop(loop, survival, is_prompt, settings)
+        if exits.any():
+            rows = exits.nonzero().squeeze(-1)
+            log_softmax = torch.log_softmax(model.compute_logits(hidden[rows]), dim=-1)  # [R, V]
+            logprobs[rows] = log_softmax.gather(1, targets[rows, None]).squeeze(-1)
+            depths[rows] = loop
+        attention.running = running & ~exits
+    return WindowScores(
+        logprobs=logprobs.view(batch, seq_len)[:, :-1],
+        exit_depths=depths.view(batch, seq_len)[:, :-1],
+    )

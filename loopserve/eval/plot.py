@@ -1,0 +1,60 @@
+"""Plots of a perplexity curve: quality against mean depth, and the exit-depth histograms.
+
+Owns: drawing `CurvePoint`s to an image file. Must not: compute any figure it draws, or be
+imported by anything that runs without `--plot` (matplotlib is an optional dependency).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loopserve.eval.perplexity import CurvePoint
+
+
+def plot_curve(points: list[CurvePoint], path: Path, title: str) -> Path:
+    """Left: perplexity vs mean exit depth (fixed depths joined, thresholds annotated).
+    Right: for each exit threshold, the fraction of tokens that exited after each loop."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'loopserve[plot]'") from None
+    fixed = [point for point in points if point.exit_threshold >= 1.0]
+    gated = [point for point in points if point.exit_threshold < 1.0]
+    figure, (quality, histogram) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if fixed:
+        quality.plot(
+            [p.mean_depth for p in fixed], [p.perplexity for p in fixed], "o-", label="fixed depth"
+        )
+    if gated:
+        quality.plot(
+            [p.mean_depth for p in gated], [p.perplexity for p in gated], "s", label="exit gate"
+        )
+        for point in gated:
+            quality.annotate(
+                f"{point.exit_threshold:g}",
+                (point.mean_depth, point.perplexity),
+                fontsize=8,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+    quality.set(xlabel="mean exit depth (loops)", ylabel="held-out perplexity", title=title)
+    quality.legend()
+    quality.grid(alpha=0.3)
+    shown = gated or fixed[-1:]
+    width = 0.8 / max(1, len(shown))
+    for index, point in enumerate(shown):
+        depths = range(1, len(point.depth_histogram) + 1)
+        fractions = [count / point.tokens for count in point.depth_histogram]
+        offsets = [depth - 0.4 + width * (index + 0.5) for depth in depths]
+        histogram.bar(offsets, fractions, width=width, label=point.label)
+    histogram.set(xlabel="exit depth (loops)", ylabel="fraction of tokens", title="exit depths")
+    histogram.set_xticks(range(1, max(len(p.depth_histogram) for p in shown) + 1))
+    histogram.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

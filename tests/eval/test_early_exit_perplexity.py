@@ -1,0 +1,97 @@
+"""The dense loop-by-loop scorer equals serial teacher forcing under `full` KV and `ouro` exits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve.entrypoints.cli.make_checkpoint import PRESETS
+from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
+from loopserve.models.checkpoint_writer import RandomInit, random_state_dict
+from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.ouro_config import OuroConfig
+from loopserve.reference import SerialReference
+from loopserve.sampling_params import ResolvedParams, SamplingParams
+from tests.eval.serial_scoring import serial_score
+
+SETTINGS = [
+    ExitSettings(1.0, max_loops=4),
+    ExitSettings(1.0, max_loops=2),
+    ExitSettings(0.5, max_loops=4),
+    ExitSettings(0.8, max_loops=4, min_loops=2),
+    ExitSettings(0.3, max_loops=3),
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> OuroForCausalLM:
+    """A random GQA model whose gate spreads exits over every depth."""
+    config = OuroConfig.from_dict(OuroConfig().to_hf_dict() | PRESETS["tiny"])
+    model = OuroForCausalLM(config)
+    init = RandomInit(gate_scale=2.0, gate_bias=-1.0)
+    model.load_state_dict(random_state_dict(config, seed=1, init=init), strict=False)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def windows(model: OuroForCausalLM) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, model.config.vocab_size, (3, 20), generator=generator)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=str)
+def test_dense_equals_obviously_serial(
+    model: OuroForCausalLM, windows: torch.Tensor, settings: ExitSettings
+) -> None:
+    scores = score_windows(model, windows, settings)
+    for row in range(windows.shape[0]):
+        logprobs, depths = serial_score(model, windows[row].tolist(), settings)
+        assert scores.exit_depths[row].tolist() == depths
+        torch.testing.assert_close(scores.logprobs[row], torch.tensor(logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=str)
+def test_dense_equals_the_serial_reference(
+    model: OuroForCausalLM, windows: torch.Tensor, settings: ExitSettings
+) -> None:
+    scores = score_windows(model, windows, settings)
+    reference = SerialReference(model, kv_layout="full", exit_mode="ouro")
+    for row in range(windows.shape[0]):
+        tokens = windows[row].tolist()
+        params = ResolvedParams(
+            params=SamplingParams(
+                max_tokens=len(tokens) - 1,
+                temperature=0.0,
+                exit_threshold=settings.exit_threshold,
+                min_loops=settings.min_loops,
+                max_loops=settings.max_loops,
+            ),
+            seed=0,
+            min_loops=settings.min_loops,
+            max_loops=settings.max_loops,
+            exit_threshold=settings.exit_threshold,
+            eos_token_ids=frozenset(),
+        )
+        out = reference.generate(tokens[:1], params, forced_tokens=tokens[1:])
+        assert scores.exit_depths[row].tolist() == out.exit_depths
+        logits = torch.stack(out.logits)  # [S-1, V]
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+        torch.testing.assert_close(scores.logprobs[row], expected, atol=1e-5, rtol=0)
+
+
+def test_gated_settings_really_spread_the_exits(
+    model: OuroForCausalLM, windows: torch.Tensor
+) -> None:
+    """Without this, the equality tests above could pass with every token at one depth."""
+    depths = score_windows(model, windows, ExitSettings(0.5, max_loops=4)).exit_depths
+    assert len(set(depths.reshape(-1).tolist())) >= 3
+    assert (depths[:, 0] == 4).all()  # the prompt position always runs max_loops
+
+
+def test_settings_are_validated(model: OuroForCausalLM, windows: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="exit_threshold"):
+        ExitSettings(0.0, max_loops=4)
+    with pytest.raises(ValueError, match="min_loops"):
+        ExitSettings(0.5, max_loops=2, min_loops=3)
+    with pytest.raises(ValueError, match="exceeds"):
+        score_windows(model, windows, ExitSettings(1.0, max_loops=5))
