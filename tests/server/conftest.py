@@ -42,12 +42,3 @@ def client(server: RunningServer):  # type: ignore[no-untyped-def]
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="session")
-def async_client(server: RunningServer):  # type: ignore[no-untyped-def]
-    import openai
-
-    return openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60
-    )
