@@ -9,7 +9,9 @@ import argparse
 import importlib
 
 # mode -> module with add_arguments(parser) and run(args) -> int
-BENCH_MODES: dict[str, str] = {}
+BENCH_MODES: dict[str, str] = {
+    "serve": "loopserve.bench.serve_client",
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,330 @@
+"""Drive an OpenAI-compatible server with streaming requests (`loopserve bench serve`).
+
+Owns: the workload (random token-id prompts of `--input-len` tokens, each asking for
+`--output-len` tokens with EOS ignored), arrivals (closed loop with `--max-concurrency`, Poisson
+at `--request-rate`, or both, as in `vllm bench serve`), timing each request from its stream, and
+the summary: one JSON line with the config, the git SHA and the figures in vLLM's units and key
+names (`*_ms` latencies with mean/median/std/p50/p90/p99, requests/s and tokens/s). Must not:
+import torch or the engine; it only speaks HTTP (aiohttp), so it can measure any server. (numpy
+loads inside functions: `loopserve --help` imports this module.)
+
+Definitions: TTFT = first streamed token - request sent; ITL = gaps between chunks that carry
+tokens; TPOT = (E2E - TTFT) / (n - 1) for n >= 2 output tokens; E2E = last byte - request sent.
+Output token counts come from the server's usage (`stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    base_url: str
+    model: str | None  # None: the first model the server lists
+    api_key: str | None
+    num_prompts: int
+    input_len: int
+    output_len: int
+    max_concurrency: int | None  # None: no cap (open loop)
+    request_rate: float  # requests/s of the Poisson arrivals; inf sends all at once
+    seed: int
+    percentiles: tuple[float, ...]
+    extra_body: dict[str, Any]  # merged into every request (e.g. Ouro's max_loops)
+    warmup_requests: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the first model the server lists")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LOOPSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer key (default: $LOOPSERVE_API_KEY or $OPENAI_API_KEY)",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="checkpoint dir with tokenizer.json (default: built-in)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight at most (closed loop)"
+    )
+    parser.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--percentiles", default="50,90,99", help="comma-separated, 0..100")
+    parser.add_argument("--extra-body", default="{}", help="JSON merged into every request")
+    parser.add_argument("--warmup-requests", type=int, default=1, help="sent first, not timed")
+    parser.add_argument("--output", type=Path, default=None, help="also append the line here")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    prompts = random_prompts(
+        _vocabulary(args.tokenizer), config.num_prompts, config.input_len, config.seed
+    )
+    summary = asyncio.run(benchmark(config, prompts))
+    line = json.dumps(summary)
+    print(line)
+    if args.output is not None:
+        with args.output.open("a") as file:
+            file.write(line + "\n")
+    return 0 if summary["completed"] == config.num_prompts else 1
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    if not args.request_rate > 0:
+        raise ValueError("--request-rate must be positive (inf sends everything at once)")
+    extra_body = json.loads(args.extra_body)
+    if not isinstance(extra_body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return BenchConfig(
+        base_url=args.base_url.rstrip("/"),
+        model=args.model,
+        api_key=args.api_key,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        percentiles=tuple(float(part) for part in args.percentiles.split(",")),
+        extra_body=extra_body,
+        warmup_requests=args.warmup_requests,
+    )
+
+
+def _vocabulary(tokenizer_dir: str | None) -> list[int]:
+    """Token ids a random prompt may use: the tokenizer's, minus its special tokens."""
+    from loopserve.models.builtin import resolve_model_dir
+    from loopserve.tokenizer import Tokenizer
+
+    directory = resolve_model_dir(tokenizer_dir)
+    tokenizer = Tokenizer.from_directory(directory)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{directory} has no tokenizer.json; pass --tokenizer DIR")
+    return [index for index in range(tokenizer.vocab_size) if index not in tokenizer.special_ids]
+
+
+def random_prompts(vocabulary: list[int], count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids drawn uniformly from `vocabulary` (seeded)."""
+    rng = random.Random(seed)
+    return [[rng.choice(vocabulary) for _ in range(length)] for _ in range(count)]
+
+
+async def benchmark(config: BenchConfig, prompts: list[list[int]]) -> dict[str, Any]:
+    """Send every prompt as configured; the summary line of the run."""
+    aiohttp = _import_aiohttp()
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        model = config.model or await _first_model(session, config)
+        for prompt in prompts[: config.warmup_requests]:
+            warmup = await send_request(session, config, model, prompt)
+            if not warmup.success:
+                raise RuntimeError(f"the warm-up request failed: {warmup.error}")
+        start = time.perf_counter()
+        results = await _send_all(session, config, model, prompts)
+        duration = time.perf_counter() - start
+    return {"config": _config_record(config, model), **summarize(results, duration, config)}
+
+
+async def _send_all(
+    session: Any, config: BenchConfig, model: str, prompts: list[list[int]]
+) -> list[RequestResult]:
+    import numpy as np
+
+    limit = asyncio.Semaphore(config.max_concurrency or len(prompts))
+    rng = np.random.default_rng(config.seed)
+
+    async def limited(prompt: list[int]) -> RequestResult:
+        async with limit:
+            return await send_request(session, config, model, prompt)
+
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(limited(prompt)))
+        if config.request_rate != float("inf"):
+            await asyncio.sleep(float(rng.exponential(1.0 / config.request_rate)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def send_request(
+    session: Any, config: BenchConfig, model: str, prompt: list[int]
+) -> RequestResult:
+    """One streamed completion, timed."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": config.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **config.extra_body,
+    }
+    result = RequestResult(prompt_len=len(prompt))
+    sent = time.perf_counter()
+    try:
+        async with session.post(
+            f"{config.base_url}/v1/completions", json=body, headers=_headers(config)
+        ) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            await _read_stream(response, result, sent)
+    except Exception as error:  # a failed request is counted, not fatal to the run
+        result.error = f"{type(error).__name__}: {error}"
+    return result
+
+
+async def _read_stream(response: Any, result: RequestResult, sent: float) -> None:
+    last = sent
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = json.loads(line.removeprefix("data: "))
+        if "error" in data:
+            result.error = str(data["error"].get("message"))
+            return
+        now = time.perf_counter()
+        if data.get("usage"):
+            result.output_tokens = int(data["usage"]["completion_tokens"])
+        choices = data.get("choices") or []
+        if choices and (choices[0].get("text") or choices[0].get("exit_depths")):
+            if result.ttft == 0.0:
+                result.ttft = now - sent
+            else:
+                result.itl.append(now - last)
+            last = now
+    result.latency = time.perf_counter() - sent
+    result.success = result.ttft > 0.0
+
+
+def summarize(results: list[RequestResult], duration: float, config: BenchConfig) -> dict[str, Any]:
+    """vLLM's figures: counts, throughputs, and mean/median/std/percentiles of each latency."""
+    done = [result for result in results if result.success]
+    input_tokens = sum(result.prompt_len for result in done)
+    output_tokens = sum(result.output_tokens for result in done)
+    samples: dict[str, list[float]] = {
+        "ttft": [result.ttft for result in done],
+        "tpot": [
+            (result.latency - result.ttft) / (result.output_tokens - 1)
+            for result in done
+            if result.output_tokens > 1
+        ],
+        "itl": [gap for result in done for gap in result.itl],
+        "e2el": [result.latency for result in done],
+    }
+    summary: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({result.error for result in results if result.error})[:5],
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+    for metric in METRICS:
+        summary.update(_latency_figures(metric, samples[metric], config.percentiles))
+    return summary
+
+
+def _latency_figures(
+    metric: str, seconds: list[float], percentiles: tuple[float, ...]
+) -> dict[str, float | None]:
+    import numpy as np
+
+    values = np.asarray(seconds, dtype=np.float64) * 1000.0
+    empty = values.size == 0
+    figures: dict[str, float | None] = {
+        f"mean_{metric}_ms": None if empty else float(values.mean()),
+        f"median_{metric}_ms": None if empty else float(np.median(values)),
+        f"std_{metric}_ms": None if empty else float(values.std()),
+    }
+    for q in percentiles:
+        label = f"{q:g}".replace(".", "_")
+        figures[f"p{label}_{metric}_ms"] = None if empty else float(np.percentile(values, q))
+    return figures
+
+
+def _config_record(config: BenchConfig, model: str) -> dict[str, Any]:
+    record = asdict(config)
+    record.pop("api_key")
+    record["model"] = model
+    record["request_rate"] = (
+        str(config.request_rate) if config.request_rate == float("inf") else config.request_rate
+    )
+    record["git_sha"] = _git_sha()
+    record["mode"] = "serve"
+    return record
+
+
+async def _first_model(session: Any, config: BenchConfig) -> str:
+    async with session.get(f"{config.base_url}/v1/models", headers=_headers(config)) as response:
+        if response.status != 200:
+            raise RuntimeError(f"GET /v1/models: HTTP {response.status}: {await response.text()}")
+        models = (await response.json())["data"]
+    if not models:
+        raise RuntimeError("the server lists no models; pass --model")
+    return str(models[0]["id"])
+
+
+def _headers(config: BenchConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
+def _git_sha() -> str | None:
+    try:
+        completed = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return completed.stdout.strip() or None
+
+
+def _import_aiohttp() -> Any:
+    try:
+        import aiohttp
+    except ImportError:
+        raise ValueError("loopserve bench serve needs aiohttp: pip install aiohttp") from None
+    return aiohttp

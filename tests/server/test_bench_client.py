@@ -1,0 +1,71 @@
+"""`loopserve bench serve` against the shared server: it completes every request, counts the
+tokens the server reports, and summarises latencies in vLLM's units and key names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from server_testing import API_KEY, RunningServer
+
+pytest.importorskip("aiohttp", reason="the serving benchmark client uses aiohttp")
+
+
+def _args(server: RunningServer, tiny_model: Path, *extra: str) -> argparse.Namespace:
+    from loopserve.bench.serve_client import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(
+        [
+            "--base-url", server.url, "--api-key", API_KEY, "--tokenizer", str(tiny_model),
+            "--num-prompts", "6", "--input-len", "8", "--output-len", "5", *extra,
+        ]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arrivals", [("--max-concurrency", "3"), ("--request-rate", "40", "--max-concurrency", "4")]
+)
+def test_bench_serve_reports_vllm_figures(
+    server: RunningServer,
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    arrivals: tuple[str, ...],
+) -> None:
+    from loopserve.bench.serve_client import run
+
+    output = tmp_path / "bench.jsonl"
+    args = _args(server, tiny_model, *arrivals, "--output", str(output))
+    assert run(args) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1
+    summary = json.loads(printed[0])
+    assert json.loads(output.read_text()) == summary
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_input_tokens"] == 6 * 8
+    assert summary["total_output_tokens"] == 6 * 5
+    assert summary["config"]["model"] == "tiny"
+    assert "git_sha" in summary["config"]
+    assert summary["output_throughput"] == pytest.approx(30 / summary["duration"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        median, p90, p99 = (summary[f"{key}_{metric}_ms"] for key in ("median", "p90", "p99"))
+        assert 0 < median <= p90 <= p99
+        assert summary[f"p50_{metric}_ms"] == pytest.approx(median)
+        assert summary[f"mean_{metric}_ms"] > 0
+    assert summary["median_ttft_ms"] < summary["median_e2el_ms"]
+
+
+def test_bench_serve_counts_failures(
+    server: RunningServer, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loopserve.bench.serve_client import run
+
+    args = _args(server, tiny_model, "--extra-body", '{"max_loops": 99}', "--warmup-requests", "0")
+    assert run(args) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["completed"] == 0 and summary["failed"] == 6
+    assert summary["errors"] and "HTTP 400" in summary["errors"][0]
