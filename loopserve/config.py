@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loopserve.engine.scheduler import SchedulerConfig
+from loopserve.engine.scheduler_config import SchedulerConfig
 from loopserve.engine.trace import D2_6
 
 LOAD_FORMATS = ("auto", "dummy")
+DECODE_MODES = ("auto", "host", "device")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,19 @@ class EngineConfig:
     trace_distribution: tuple[float, ...] = D2_6
     # Seed of the engine's generator (draws seeds for requests that give none, dummy weights).
     seed: int = 0
+    # "host": the scheduler picks every decode row's loop (the reference-like path);
+    # "device": per-slot decode state lives on the device and one step runs a loop for every
+    # slot, exits and samples included, with no host round trip; "auto": device on CUDA.
+    decode_mode: str = "auto"
+    # Device decode on CUDA: replay the decode step from CUDA graphs (captured lazily per
+    # padded batch size); False runs it eagerly.
+    cuda_graphs: bool = True
+    # Device decode: prepare and launch step n + 1 before reading step n's results.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        if self.decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -69,6 +81,11 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         self.scheduler_config()  # validates the scheduling fields
 
+    def decode_on_device(self) -> bool:
+        if self.decode_mode == "auto":
+            return self.device.startswith("cuda")
+        return self.decode_mode == "device"
+
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -79,4 +96,5 @@ class EngineConfig:
             kv_layout=self.kv_layout,
             block_size=self.block_size,
             trace_distribution=self.trace_distribution,
+            decode_on_device=self.decode_on_device(),
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loopserve.engine.scheduler_output import SamplingInfo
-from loopserve.engine.trace import D2_6, traced_depth
+from loopserve.engine.trace import D2_6, resolved_trace_depth
 from loopserve.models.exit_rule import next_survival, threshold_reached
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.outputs import TokenLogprobs
@@ -164,7 +164,7 @@ class SerialReference:
             if loop == params.max_loops:
                 break
             if self.exit_mode == "trace":
-                if loop >= self._trace_depth(params, decode_index):
+                if loop >= resolved_trace_depth(params, decode_index, self.trace_distribution):
                     break
                 continue
             if params.fixed_depth:
@@ -184,15 +184,6 @@ class SerialReference:
             else:
                 final.append(0, layer, k, v)
         return hidden, loop
-
-    def _trace_depth(self, params: ResolvedParams, decode_index: int) -> int:
-        depth = params.trace_depth(decode_index)
-        if depth is None:
-            if params.params.trace_depths is not None:
-                depth = params.max_loops
-            else:
-                depth = traced_depth(params.seed, decode_index, self.trace_distribution)
-        return max(params.min_loops, min(depth, params.max_loops))
 
     def _coda(
         self,

@@ -27,13 +27,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 flat KV slot written by each query token
     max_query_len: int
     max_seq_len: int
-    # Host copies for backends that loop over sequences on the host (the torch reference).
-    query_start_host: list[int]
-    seq_lens_host: list[int]
+    # Host copies for backends that loop over sequences on the host (the torch reference). None
+    # when the lengths only exist on the device (the device-resident decode step): backends that
+    # support CUDA graphs must not need them for decode passes.
+    query_start_host: list[int] | None
+    seq_lens_host: list[int] | None
 
     @property
     def num_sequences(self) -> int:
-        return len(self.seq_lens_host)
+        return self.seq_lens.shape[0]
 
     @property
     def is_decode(self) -> bool:

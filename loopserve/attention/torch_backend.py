@@ -72,8 +72,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         write_kv(kv, layer, k, v, metadata.slot_mapping)
         out = torch.zeros_like(q)
-        starts = metadata.query_start_host
-        for index, length in enumerate(metadata.seq_lens_host):
+        starts, lengths = metadata.query_start_host, metadata.seq_lens_host
+        assert starts is not None and lengths is not None, "the torch backend needs host lengths"
+        for index, length in enumerate(lengths):
             begin, end = starts[index], starts[index + 1]
             if length == 0 or begin == end:
                 continue

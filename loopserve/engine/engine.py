@@ -22,11 +22,13 @@ from loopserve.config import EngineConfig
 from loopserve.engine.detokenizer import IncrementalDetokenizer
 from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.engine.scheduler import Scheduler
+from loopserve.engine.scheduler_output import SchedulerOutput
 from loopserve.engine.trace import validate_distribution
 from loopserve.models.builtin import resolve_model_dir
 from loopserve.models.loader import read_generation_defaults
 from loopserve.outputs import RequestMetrics, RequestOutput
 from loopserve.request import Request
+from loopserve.runner.model_runner import PendingOutput
 from loopserve.runner.setup import build_runner
 from loopserve.sampling_params import ResolvedParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -65,6 +67,9 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Device decode with async scheduling: the step launched last, not yet read back.
+        self._async = config.decode_on_device() and config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -158,22 +163,44 @@ class Engine:
         return self._output(request, [], "")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     # ----- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that changed."""
+        """Run one engine step; returns an output for every request that changed.
+
+        With async scheduling, a pure decode step is launched before the previous one is read
+        back, so its outputs arrive with the next call; steps with prompt work are synchronous.
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self.scheduler.has_prompt_work():
+            outputs += self._read_back()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            return outputs + (self._read_back() if self._in_flight is not None else [])
         now = time.monotonic()
         for chunk in scheduled.prefill_chunks:
             metrics = self._requests[chunk.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        result = self.runner.execute(scheduled)
-        changed = self.scheduler.update(scheduled, result)
+        pending = self.runner.execute(scheduled)
+        previous, self._in_flight = self._in_flight, (scheduled, pending)
+        if previous is not None:
+            outputs += self._complete(*previous)
+        synchronous = scheduled.prefill_chunks or scheduled.decode_rows or not self._async
+        if synchronous:
+            outputs += self._read_back()
+        return outputs
+
+    def _read_back(self) -> list[RequestOutput]:
+        assert self._in_flight is not None
+        scheduled, pending = self._in_flight
+        self._in_flight = None
+        return self._complete(scheduled, pending)
+
+    def _complete(self, scheduled: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
+        changed = self.scheduler.update(scheduled, pending.result())
         now = time.monotonic()
         return [self._after_token(request, now) for request in changed]
 

@@ -16,11 +16,12 @@ inside the step that schedules them.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
-from collections import Counter
-from dataclasses import dataclass, field
 
+from loopserve.engine.device_decode import MAX_STOP_TOKEN_IDS, DeviceSlots
 from loopserve.engine.kv_manager import KVCacheManager, pages_for
+from loopserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from loopserve.engine.scheduler_output import (
     DecodeRow,
     ExitCheck,
@@ -31,69 +32,10 @@ from loopserve.engine.scheduler_output import (
     SampledToken,
     SamplingInfo,
     SchedulerOutput,
+    SlotStepResult,
 )
-from loopserve.engine.trace import D2_6, traced_depth
+from loopserve.engine.trace import resolved_trace_depth
 from loopserve.request import Request, RequestStatus
-
-KV_LAYOUTS = ("full", "shared")
-SCHEDULING_MODES = ("refill", "no_refill")
-EXIT_MODES = ("ouro", "ouro_delayed", "trace")
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    # Requests admitted at once (each holds a row of the runner's per-slot state).
-    max_num_seqs: int = 64
-    # Decode rows plus prompt-chunk tokens per step.
-    max_num_batched_tokens: int = 2048
-    # Longest prompt chunk of one request in one step.
-    prefill_chunk_size: int = 512
-    # "refill": a slot freed by an exit is reused at once; "no_refill": cohorts drain first.
-    scheduling: str = "refill"
-    # "ouro" (exact gate), "ouro_delayed" (stop one loop after the test holds), "trace".
-    exit_mode: str = "ouro"
-    # "full": one KV plane per loop; "shared": prompts keep per-loop planes while prefilling,
-    # afterwards every token keeps only its final version.
-    kv_layout: str = "full"
-    block_size: int = 16
-    # P(depth = 1, 2, ...) for traced tokens whose request gives no explicit depths.
-    trace_distribution: tuple[float, ...] = D2_6
-
-    def __post_init__(self) -> None:
-        checks = {
-            "scheduling": (self.scheduling, SCHEDULING_MODES),
-            "exit_mode": (self.exit_mode, EXIT_MODES),
-            "kv_layout": (self.kv_layout, KV_LAYOUTS),
-        }
-        for name, (value, choices) in checks.items():
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        if min(self.max_num_seqs, self.prefill_chunk_size, self.block_size) < 1:
-            raise ValueError("max_num_seqs, prefill_chunk_size and block_size must be positive")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_num_seqs ({self.max_num_seqs}) so every decode row fits in a step"
-            )
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    steps: int = 0
-    decode_steps: int = 0
-    # Rows executed per loop index (1-based) and steps by their number of decode rows.
-    row_loops: Counter[int] = field(default_factory=Counter)
-    rows_per_step: Counter[int] = field(default_factory=Counter)
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-
-    @property
-    def total_row_loops(self) -> int:
-        return sum(self.row_loops.values())
-
-    @property
-    def mean_rows_per_decode_step(self) -> float:
-        return self.total_row_loops / self.decode_steps if self.decode_steps else 0.0
 
 
 class Scheduler:
@@ -106,7 +48,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._order = itertools.count()
         self._waiting_keys: list[tuple[int, int]] = []
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._free_slots = list(range(config.max_num_seqs))  # a heap: lowest slot first
+        self.device_slots = (
+            DeviceSlots(config.exit_mode, config.trace_distribution)
+            if config.decode_on_device
+            else None
+        )
         self._cohort: set[str] = set()
         self._pending_copies: list[tuple[str, KVCopy]] = []
         self._pending_clears: list[int] = []
@@ -124,6 +71,12 @@ class Scheduler:
         return (loops - 1) * prompt_pages + pages_for(positions, self.config.block_size)
 
     def add(self, request: Request) -> None:
+        stop_ids = request.params.eos_token_ids | set(request.params.params.stop_token_ids)
+        if self.device_slots is not None and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"at most {MAX_STOP_TOKEN_IDS} end-of-sequence plus stop token ids per request "
+                f"in device decode mode, got {len(stop_ids)}"
+            )
         needed = self.pages_needed(request)
         if needed > self.kv.num_usable_pages:
             raise ValueError(
@@ -158,14 +111,24 @@ class Scheduler:
         del self._running_by_id[request.request_id]
         self.kv.free(request.request_id)
         self._cohort.discard(request.request_id)
+        if self.device_slots is not None:
+            self.device_slots.stop(request)
         if request.slot is not None:
-            self._free_slots.append(request.slot)
+            heapq.heappush(self._free_slots, request.slot)
             self._pending_clears.append(request.slot)
             request.slot = None
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def has_prompt_work(self) -> bool:
+        """Whether the next step would run a prompt chunk."""
+        if any(request.is_prefilling for request in self.running):
+            return True
+        if not self.waiting or not self._free_slots:
+            return False
+        return self.kv.can_reserve(self.pages_needed(self.waiting[0]))
 
     # ----- one step ------------------------------------------------------------------------
 
@@ -186,8 +149,10 @@ class Scheduler:
             request = self.waiting[0]
             if not self.kv.can_reserve(self.pages_needed(request)):
                 break  # strict order: a large request is not starved by smaller ones behind it
-            self._admit(request)
+            self._admit(request, output)
             budget -= self._schedule_chunk(request, budget, output)
+        if self.device_slots is not None:
+            self.device_slots.fill(output)
         if output.decode_rows:
             self.stats.decode_steps += 1
             self.stats.rows_per_step[len(output.decode_rows)] += 1
@@ -195,6 +160,8 @@ class Scheduler:
         return output
 
     def _decode_candidates(self) -> list[Request]:
+        if self.device_slots is not None:
+            return []
         decoding = [r for r in self.running if not r.is_prefilling]
         if self.config.scheduling == "refill":
             return decoding
@@ -202,14 +169,23 @@ class Scheduler:
             self._cohort = {request.request_id for request in decoding}
         return [request for request in decoding if request.request_id in self._cohort]
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, output: SchedulerOutput) -> None:
         self.waiting.pop(0)
         self._waiting_keys.pop(0)
         self.kv.reserve(request.request_id, request.params.max_loops, self.pages_needed(request))
-        request.slot = self._free_slots.pop()
+        request.slot = heapq.heappop(self._free_slots)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._running_by_id[request.request_id] = request
+        if self.device_slots is not None:
+            # The device moves positions on by itself: every page is mapped from the start.
+            loops = request.params.max_loops
+            positions = request.num_prompt_tokens + request.params.params.max_tokens - 1
+            for plane in range(loops):
+                final = plane == loops - 1 or self.config.kv_layout == "full"
+                self._grow(
+                    request, plane, positions if final else request.num_prompt_tokens, output
+                )
 
     def _grow(self, request: Request, plane: int, num_tokens: int, output: SchedulerOutput) -> None:
         start, pages = self.kv.grow(request.request_id, plane, num_tokens)
@@ -282,16 +258,9 @@ class Scheduler:
         return (ExitCheck.IF_GATE if loop >= params.min_loops else ExitCheck.CONTINUE), True
 
     def trace_depth(self, request: Request) -> int:
-        params = request.params
-        depth = params.trace_depth(request.decode_index)
-        if depth is None:
-            if params.params.trace_depths is not None:
-                depth = params.max_loops  # an explicit list that ran out: full depth
-            else:
-                depth = traced_depth(
-                    params.seed, request.decode_index, self.config.trace_distribution
-                )
-        return max(params.min_loops, min(depth, params.max_loops))
+        return resolved_trace_depth(
+            request.params, request.decode_index, self.config.trace_distribution
+        )
 
     # ----- results -------------------------------------------------------------------------
 
@@ -327,8 +296,37 @@ class Scheduler:
                 for plane in range(request.params.max_loops - 1):
                     self.kv.release_plane(request.request_id, plane)
             self._append_token(request, token, depth=chunk.num_loops)
+            if self.device_slots is not None and not request.finished:
+                self.device_slots.start(request)
             changed.append(request)
+        if result.slot_step is not None:
+            self._apply_slot_step(scheduled, result.slot_step, changed)
         return changed
+
+    def _apply_slot_step(
+        self, scheduled: SchedulerOutput, result: SlotStepResult, changed: list[Request]
+    ) -> None:
+        """Device decode mode: record what the device did, a step after it did it."""
+        ran = sum(result.ran)
+        if ran:
+            self.stats.decode_steps += 1
+            self.stats.rows_per_step[ran] += 1
+            self.stats.row_loops.update(
+                loop for loop, did in zip(result.loops, result.ran, strict=True) if did
+            )
+        for slot, exited in enumerate(result.exited):
+            request_id = scheduled.slot_requests.get(slot)
+            request = self._running_by_id.get(request_id) if request_id is not None else None
+            if not exited or request is None:
+                continue  # finished meanwhile (stop string, abort): its extra token is dropped
+            token = result.tokens[slot]
+            assert token is not None
+            self._append_token(request, token, depth=result.loops[slot])
+            if result.stopped[slot] != request.finished:
+                raise RuntimeError(
+                    f"device and host disagree on whether {request.request_id!r} stopped"
+                )
+            changed.append(request)
 
     def _queue_exit_copy(self, request: Request, row: DecodeRow) -> None:
         """`full` layout: make the exited token's K/V the version of every deeper plane."""

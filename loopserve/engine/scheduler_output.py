@@ -80,6 +80,31 @@ class KVCopy:
     destinations: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class SlotSetup:
+    """Device decode mode: hand a request's in-flight token to the device-resident decoder.
+
+    From then on the device runs one loop per step for the slot, decides exits, samples, and stops
+    the slot on an end-of-sequence id, a stop token id or max_tokens, all without the host.
+    """
+
+    slot: int
+    token: int  # the first output token, now in flight at loop 1
+    position: int  # its position (= the number of prompt tokens)
+    min_loops: int
+    max_loops: int
+    exit_threshold: float
+    gate_mode: int  # GATE_FIXED, GATE_OURO, GATE_DELAYED or GATE_TRACE
+    max_tokens: int
+    stop_token_ids: tuple[int, ...]  # end-of-sequence ids and the request's stop ids
+    trace_depths: tuple[int, ...]  # trace mode: depth of each decode computation, else empty
+    sampling: SamplingInfo  # output_index = 1: the next token sampled is the second output
+
+
+# SlotSetup.gate_mode values.
+GATE_FIXED, GATE_OURO, GATE_DELAYED, GATE_TRACE = 0, 1, 2, 3
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     step: int
@@ -90,10 +115,16 @@ class SchedulerOutput:
     cleared_slots: list[int] = field(default_factory=list)
     # Applied before this step's forward passes.
     kv_copies: list[KVCopy] = field(default_factory=list)
+    # Device decode mode: slots to start and to stop before the slot step, whether to run it, and
+    # which request each slot holds during this step (to attribute its results).
+    slot_setups: list[SlotSetup] = field(default_factory=list)
+    slot_stops: list[int] = field(default_factory=list)
+    run_slot_step: bool = False
+    slot_requests: dict[int, str] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode_rows and not self.prefill_chunks
+        return not self.decode_rows and not self.prefill_chunks and not self.run_slot_step
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -107,6 +138,17 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class SlotStepResult:
+    """What one device-resident decode step did, per slot row 0..rows-1."""
+
+    ran: list[bool]  # the slot ran a loop this step
+    loops: list[int]  # the loop it ran
+    exited: list[bool]
+    tokens: list[SampledToken | None]  # the sampled next token of slots that exited
+    stopped: list[bool]  # the device ended the slot (stop id or max_tokens) after this token
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     # Per decode row, in SchedulerOutput order:
     exited: list[bool]
@@ -115,3 +157,4 @@ class RunnerOutput:
     decode_tokens: list[SampledToken | None]  # the next token of rows that exited
     # Per prefill chunk: the first output token of chunks that completed their prompt.
     prefill_tokens: list[SampledToken | None]
+    slot_step: SlotStepResult | None = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from loopserve.sampling_params import ResolvedParams
+
 # The standard distribution "d2.6" of BENCHMARKS.md: P(depth = 1, 2, 3, 4).
 D2_6: tuple[float, ...] = (0.10, 0.40, 0.30, 0.20)
 _MASK64 = (1 << 64) - 1
@@ -42,3 +44,20 @@ def validate_distribution(distribution: Sequence[float], max_loops: int) -> None
         )
     if any(p < 0 for p in distribution) or sum(distribution) <= 0:
         raise ValueError("trace distribution probabilities must be >= 0 and not all zero")
+
+
+def resolved_trace_depth(
+    params: ResolvedParams, decode_index: int, distribution: Sequence[float]
+) -> int:
+    """The exit depth of a request's decode_index-th decode computation in `trace` mode.
+
+    An explicit `trace_depths` list wins (entries past its end run max_loops); otherwise the depth
+    is drawn from `distribution`. Either way it is clamped to [min_loops, max_loops].
+    """
+    depth = params.trace_depth(decode_index)
+    if depth is None:
+        if params.params.trace_depths is not None:
+            depth = params.max_loops
+        else:
+            depth = traced_depth(params.seed, decode_index, distribution)
+    return max(params.min_loops, min(depth, params.max_loops))

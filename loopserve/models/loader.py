@@ -180,13 +180,15 @@ def load_checkpoint(
     config = OuroConfig.from_file(directory / "config.json")
     files = checkpoint_files(directory)
     validate_checkpoint(config, files)
-    model = _empty_model(config, dtype, torch.device(device))
+    device = torch.device(device)
+    model = _empty_model(config, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[str]] = {}
     for name in expected_tensors(config):
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as handle:
+        # Tensors are read straight into device memory, one at a time, then cast there.
+        with safe_open(path, framework="pt", device=str(device)) as handle:
             for name in names:
                 params[name].copy_(handle.get_tensor(name).to(dtype))
     logger.info("loaded %s (%d tensors, %s)", directory, len(params), dtype)

@@ -12,13 +12,13 @@ discards its sampled token.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from loopserve.attention.base import AttentionBackend
-from loopserve.attention.metadata import AttentionMetadata
 from loopserve.engine.scheduler_output import (
     DecodeRow,
     ExitCheck,
@@ -27,28 +27,82 @@ from loopserve.engine.scheduler_output import (
     SampledToken,
     SamplingInfo,
     SchedulerOutput,
+    SlotStepResult,
 )
 from loopserve.models.exit_rule import next_survival, threshold_reached
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.runner.block_tables import BlockTables
+from loopserve.runner.cuda_graphs import GraphedSlotStep
 from loopserve.runner.kv_storage import KVStorage
+from loopserve.runner.paged_attention import PagedAttention
+from loopserve.runner.slot_decoder import (
+    EXITED,
+    LOGPROB,
+    LOOP,
+    RAN,
+    RESULT_COLUMNS,
+    STOPPED,
+    TOKEN,
+    SlotDecoder,
+)
 from loopserve.sample.sampler import SampleResult, SamplingBatch, sample
 
 
-class PagedAttention:
-    """The model's attention callable for one pass: a backend over paged KV with fixed metadata."""
+class PendingOutput:
+    """A step's `RunnerOutput`, whose device-decode part may still be in flight on the GPU.
 
-    def __init__(self, backend: AttentionBackend, kv: KVStorage, metadata: AttentionMetadata):
-        self.backend = backend
-        self.kv = kv
-        self.metadata = metadata
-        backend.prepare(metadata)
+    The slot step's result record is copied to pinned host memory without blocking; `result()`
+    waits for that copy (polling its event, never a blocking device synchronisation).
+    """
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv, layer, self.metadata)
+    def __init__(
+        self,
+        output: RunnerOutput,
+        record: torch.Tensor | None = None,
+        event: torch.cuda.Event | None = None,
+        logprob_counts: list[int | None] | None = None,
+    ) -> None:
+        self._output = output
+        self._record = record
+        self._event = event
+        self._logprob_counts = logprob_counts or []
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> RunnerOutput:
+        if self._record is not None:
+            while not self.ready():
+                time.sleep(0)
+            self._output.slot_step = _slot_step_result(self._record, self._logprob_counts)
+            self._record = None
+        return self._output
+
+
+def _slot_step_result(record: torch.Tensor, counts: list[int | None]) -> SlotStepResult:
+    rows = record.tolist()
+    tokens: list[SampledToken | None] = []
+    for row, count in zip(rows, counts, strict=False):
+        if not row[EXITED]:
+            tokens.append(None)
+            continue
+        token = int(row[TOKEN])
+        entry = None
+        if count is not None:
+            top_count = (len(row) - RESULT_COLUMNS) // 2
+            ids = row[RESULT_COLUMNS : RESULT_COLUMNS + top_count][:count]
+            values = row[RESULT_COLUMNS + top_count :][:count]
+            top = tuple((int(i), v) for i, v in zip(ids, values, strict=True))
+            entry = TokenLogprobs(token, row[LOGPROB], top)
+        tokens.append(SampledToken(token, entry))
+    return SlotStepResult(
+        ran=[bool(row[RAN]) for row in rows],
+        loops=[int(row[LOOP]) for row in rows],
+        exited=[bool(row[EXITED]) for row in rows],
+        tokens=tokens,
+        stopped=[bool(row[STOPPED]) for row in rows],
+    )
 
 
 @dataclass(slots=True)
@@ -67,7 +121,13 @@ class ModelRunner:
         backend: AttentionBackend,
         block_tables: BlockTables,
         max_num_seqs: int,
+        decoder: SlotDecoder | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
+        self.decoder = decoder
+        self.graphs = (
+            GraphedSlotStep(decoder, max_num_seqs) if decoder is not None and cuda_graphs else None
+        )
         self.model = model
         self.kv = kv
         self.backend = backend
@@ -80,25 +140,57 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduled: SchedulerOutput) -> PendingOutput:
+        """Run one step. Only the device-decode part may still be running when this returns."""
         self.block_tables.apply(scheduled.page_updates, scheduled.cleared_slots)
         if scheduled.kv_copies:
             sources = [copy.source for copy in scheduled.kv_copies for _ in copy.destinations]
             destinations = [slot for copy in scheduled.kv_copies for slot in copy.destinations]
             self.kv.copy_slots(self._long(sources), self._long(destinations))
+        record, event, counts = self._run_slot_step(scheduled)
         decode = _DecodeResult([], [], [], [])
         if scheduled.decode_rows:
             decode = self._run_decode(scheduled.decode_rows)
         prefill_tokens: list[SampledToken | None] = []
         if scheduled.prefill_chunks:
             prefill_tokens = self._run_prefill(scheduled.prefill_chunks)
-        return RunnerOutput(
+        output = RunnerOutput(
             exited=decode.exited,
             survival=decode.survival,
             exit_test=decode.exit_test,
             decode_tokens=decode.tokens,
             prefill_tokens=prefill_tokens,
         )
+        return PendingOutput(output, record, event, counts)
+
+    def _run_slot_step(
+        self, scheduled: SchedulerOutput
+    ) -> tuple[torch.Tensor | None, torch.cuda.Event | None, list[int | None]]:
+        """Device decode mode: stops, starts, then one loop over the slots, copied out async."""
+        decoder = self.decoder
+        if decoder is None:
+            return None, None, []
+        if scheduled.slot_stops:
+            decoder.stop(scheduled.slot_stops)
+        if scheduled.slot_setups:
+            decoder.start(scheduled.slot_setups)
+        if not scheduled.run_slot_step:
+            return None, None, []
+        slots = list(scheduled.slot_requests)
+        rows = max(slots) + 1
+        kind = decoder.sampling_kind(slots)
+        if self.graphs is not None:
+            record = self.graphs.run(rows, kind)
+        else:
+            record = decoder.step(rows, kind)
+        counts = decoder.logprob_counts[:rows]
+        if self.device.type != "cuda":
+            return record, None, counts
+        host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
+        host.copy_(record, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event, counts
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

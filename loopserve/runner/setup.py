@@ -15,14 +15,19 @@ import torch
 
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.registry import select_backend
+from loopserve.attention.torch_backend import causal_attention
 from loopserve.config import EngineConfig
 from loopserve.engine.kv_manager import pages_for
+from loopserve.engine.scheduler_output import SamplingInfo
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
-from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.kv_storage import KVStorage
 from loopserve.runner.model_runner import ModelRunner
+from loopserve.runner.slot_decoder import SlotDecoder
+from loopserve.sample.sampler import SamplingBatch, sample
+from loopserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +64,55 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> O
     return load_checkpoint(model_dir, dtype, device)
 
 
-def _num_kv_pages(config: EngineConfig, bytes_per_page: int, device: torch.device) -> int:
+# Kept free on the GPU for CUDA graph pools, kernel workspaces and allocator fragmentation.
+_GPU_MARGIN_BYTES = 1 << 30
+
+
+@torch.inference_mode()
+def profile_step_peak(model: OuroForCausalLM, config: EngineConfig, device: torch.device) -> int:
+    """Peak activation bytes of the largest step: a full token budget through one loop, and the
+    coda (LM head + sampling with filters) for every slot."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    tokens = config.max_num_batched_tokens
+    hidden = torch.randn(tokens, model.config.hidden_size, dtype=model.dtype, device=device)
+    cos, sin = model.rope(torch.arange(tokens, device=device))
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v, q.shape[-1] ** -0.5)
+
+    hidden = model.run_loop(hidden, LoopContext(cos, sin, attention))
+    rows = min(config.max_num_seqs, tokens)
+    params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)
+    infos = [SamplingInfo(params, 0, 0)] * rows
+    batch = SamplingBatch.build(infos, model.config.vocab_size, device)
+    sample(model.compute_logits(hidden[:rows]), batch)
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def _num_kv_pages(
+    config: EngineConfig, model: OuroForCausalLM, bytes_per_page: int, device: torch.device
+) -> int:
     if config.num_kv_pages is not None:
         return config.num_kv_pages
     if device.type == "cuda":
+        peak = profile_step_peak(model, config, device)
         free, total = torch.cuda.mem_get_info(device)
-        used_elsewhere = total - free
-        # Leave room for activations of the largest step; a conservative fixed margin.
-        budget = int(total * config.gpu_memory_utilization) - used_elsewhere - (2 << 30)
+        other_processes = total - free - torch.cuda.memory_reserved(device)
+        weights = torch.cuda.memory_allocated(device)
+        budget = (
+            int(total * config.gpu_memory_utilization)
+            - other_processes
+            - weights
+            - peak
+            - _GPU_MARGIN_BYTES
+        )
+        logger.info(
+            "GPU memory: %.1f GiB total, weights %.2f GiB, step peak %.2f GiB, KV budget %.1f GiB",
+            total / 2**30, weights / 2**30, peak / 2**30, budget / 2**30,
+        )  # fmt: skip
     else:
         budget = int(config.kv_cache_memory_gb * 2**30)
     pages = budget // bytes_per_page
@@ -77,6 +123,23 @@ def _num_kv_pages(config: EngineConfig, bytes_per_page: int, device: torch.devic
             "kv_cache_memory_gb, or use a smaller model"
         )
     return int(pages)
+
+
+def _check_one_request_fits(
+    config: EngineConfig, model_config: OuroConfig, num_pages: int, max_model_len: int
+) -> None:
+    """Auto-sized caches must hold at least one request of max_model_len tokens."""
+    block = config.block_size
+    planes = model_config.num_loops if config.kv_layout == "full" else 1
+    needed = planes * pages_for(max_model_len, block)
+    if config.kv_layout == "shared":
+        needed += (model_config.num_loops - 1) * pages_for(max_model_len, block)
+    if needed > num_pages - 1:
+        raise ValueError(
+            f"the KV cache holds {num_pages - 1} pages of {block} tokens, but one request of "
+            f"max_model_len={max_model_len} tokens needs {needed}; lower --max-model-len, raise "
+            "--gpu-memory-utilization (or --kv-cache-memory-gb on CPU), or use --kv-layout shared"
+        )
 
 
 def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, EngineRuntime]:
@@ -96,7 +159,9 @@ def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, En
         model_config.head_dim,
         model.dtype,
     )
-    num_pages = _num_kv_pages(config, bytes_per_page, device)
+    num_pages = _num_kv_pages(config, model, bytes_per_page, device)
+    if config.num_kv_pages is None:
+        _check_one_request_fits(config, model_config, num_pages, max_model_len)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     spec = AttentionSpec(
         device_type=device.type,
@@ -106,7 +171,7 @@ def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, En
         num_heads=model_config.num_attention_heads,
         num_kv_heads=model_config.num_key_value_heads,
         block_size=config.block_size,
-        cuda_graphs=False,
+        cuda_graphs=config.decode_on_device() and device.type == "cuda" and config.cuda_graphs,
     )
     backend_cls = select_backend(config.attention_backend, spec)
     kv = KVStorage(
@@ -125,7 +190,23 @@ def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, En
         config.block_size,
         device,
     )
-    runner = ModelRunner(model, kv, backend_cls(spec), tables, config.max_num_seqs)
+    backend = backend_cls(spec)
+    decoder = None
+    if config.decode_on_device():
+        decoder = SlotDecoder(
+            model,
+            kv,
+            backend,
+            tables,
+            config.max_num_seqs,
+            config.kv_layout,
+            no_refill=config.scheduling == "no_refill",
+            max_trace_length=max_model_len if config.exit_mode == "trace" else 1,
+        )
+    graphs = decoder is not None and device.type == "cuda" and config.cuda_graphs
+    runner = ModelRunner(
+        model, kv, backend, tables, config.max_num_seqs, decoder=decoder, cuda_graphs=graphs
+    )
     runtime = EngineRuntime(
         device, model.dtype, backend_cls.name, num_pages, max_model_len, bytes_per_page
     )

@@ -46,7 +46,13 @@ def params_for(index: int, mode: str) -> SamplingParams:
 
 
 def run_engine(
-    checkpoint: Path, layout: str, mode: str, scheduling: str, count: int, chunk: int
+    checkpoint: Path,
+    layout: str,
+    mode: str,
+    scheduling: str,
+    count: int,
+    chunk: int,
+    **options: object,
 ) -> dict[str, tuple[list[int], list[int]]]:
     engine = Engine(
         EngineConfig(
@@ -58,6 +64,7 @@ def run_engine(
             max_num_batched_tokens=max(chunk, 16),
             max_num_seqs=8,
             num_kv_pages=256,
+            **options,  # type: ignore[arg-type]
         )
     )
     results: dict[str, tuple[list[int], list[int]]] = {}
@@ -103,6 +110,27 @@ def test_engine_equals_serial_reference(
 ) -> None:  # type: ignore[no-untyped-def]
     results = run_engine(tiny_checkpoint, layout, mode, scheduling, count, chunk)
     for index in range(count):
+        assert results[str(index)] == reference(layout, mode, index), f"request {index}"
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", ["full", "shared"])
+def test_device_resident_decode_equals_serial_reference(
+    tiny_checkpoint: Path,
+    reference,
+    layout: str,
+    mode: str,
+    scheduling: str,
+    async_scheduling: bool,
+) -> None:  # type: ignore[no-untyped-def]
+    """The decode step that keeps per-slot state on the device (the GPU path, run eagerly here)."""
+    results = run_engine(
+        tiny_checkpoint, layout, mode, scheduling, len(PROMPTS), 5,
+        decode_mode="device", async_scheduling=async_scheduling,
+    )  # fmt: skip
+    for index in range(len(PROMPTS)):
         assert results[str(index)] == reference(layout, mode, index), f"request {index}"
 
 

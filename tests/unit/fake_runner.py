@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loopserve.engine.kv_manager import KVCacheManager
-from loopserve.engine.scheduler import Scheduler, SchedulerConfig
+from loopserve.engine.scheduler import Scheduler
+from loopserve.engine.scheduler_config import SchedulerConfig
 from loopserve.engine.scheduler_output import (
     DecodeRow,
     ExitCheck,

@@ -1,0 +1,70 @@
+"""CUDA graphs of the device-resident decode step, one per (row bucket, sampling kind).
+
+Owns: bucket choice, lazy capture (a warm-up run on a side stream with the slot state saved and
+restored, then capture into one shared memory pool) and replay. Must not: change what a step
+computes; a replay runs exactly the kernels the eager step runs, so graphs on equal graphs off.
+
+The step only reads device state, so one graph serves any mix of depths: the depth of each row is
+data. Rows of the bucket beyond the active slots are inactive slots and do nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loopserve.runner.slot_decoder import SamplingKind, SlotDecoder
+
+# Padded row counts that get a graph; larger batches run eagerly.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor  # the step's result record, written by every replay
+
+
+class GraphedSlotStep:
+    def __init__(self, decoder: SlotDecoder, max_rows: int) -> None:
+        self.decoder = decoder
+        self.buckets = [bucket for bucket in ROW_BUCKETS if bucket <= max_rows]
+        self._graphs: dict[tuple[int, SamplingKind], _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
+
+    def bucket(self, rows: int) -> int | None:
+        return next((bucket for bucket in self.buckets if bucket >= rows), None)
+
+    def run(self, rows: int, kind: SamplingKind) -> torch.Tensor:
+        """The result record of one step over slots [0, rows)."""
+        bucket = self.bucket(rows)
+        if bucket is None:
+            return self.decoder.step(rows, kind)
+        captured = self._graphs.get((bucket, kind))
+        if captured is None:
+            captured = self._capture(bucket, kind)
+            self._graphs[(bucket, kind)] = captured
+        captured.graph.replay()
+        return captured.output[:rows]
+
+    def _capture(self, rows: int, kind: SamplingKind) -> _Captured:
+        state = self.decoder.state_tensors()
+        saved = [tensor.clone() for tensor in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # Compile kernels and size workspaces outside the capture. The K/V it writes are
+            # written again, identically, by the replay that follows from the restored state.
+            self.decoder.step(rows, kind)
+            for tensor, copy in zip(state, saved, strict=True):
+                tensor.copy_(copy)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self.decoder.step(rows, kind)
+        return _Captured(graph, output)

@@ -1,0 +1,28 @@
+"""The model's attention callable for one pass: a backend over paged KV with fixed metadata.
+
+Owns: binding (backend, KV storage, metadata) and calling `prepare` once per metadata. Must not:
+build metadata (the runner does) or choose a backend (the registry does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loopserve.attention.base import AttentionBackend
+from loopserve.attention.metadata import AttentionMetadata
+from loopserve.runner.kv_storage import KVStorage
+
+
+class PagedAttention:
+    def __init__(
+        self, backend: AttentionBackend, kv: KVStorage, metadata: AttentionMetadata
+    ) -> None:
+        self.backend = backend
+        self.kv = kv
+        self.metadata = metadata
+        backend.prepare(metadata)
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.kv, layer, self.metadata)
