@@ -11,6 +11,7 @@ import importlib
 # mode -> module with add_arguments(parser) and run(args) -> int
 BENCH_MODES: dict[str, str] = {
     "serve": "loopserve.bench.serve_client",
+    "offline": "loopserve.bench.offline",
 }
 
 

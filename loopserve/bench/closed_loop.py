@@ -1,0 +1,164 @@
+"""The closed loop of the offline protocol: keep C requests in flight until 2 × C have finished.
+
+Owns: building a wave of seeded random requests (`make_requests`), driving an engine with them
+(`run_closed_loop`) and recording what happened (`TrialRecord`). Must not: compute figures (that
+is `figures.py`), time anything but the loop itself, or import torch.
+
+A finished request is replaced before the next engine step, so the engine always holds C requests
+while any are queued. The clock starts before the first `add_request` and stops after the last
+step: prefill and drain are inside, model load and warm-up are not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from loopserve.bench.sweep_spec import Workload
+from loopserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loopserve.engine.engine import Engine, EngineStats
+    from loopserve.outputs import RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, reduced to what the figures and the floor need."""
+
+    num_prompt_tokens: int
+    exit_depths: tuple[int, ...]  # loops run for each generated token (the first: all of them)
+    arrival_time: float  # time.monotonic() seconds
+    first_token_time: float
+    token_times: tuple[float, ...]  # one per generated token
+    finished_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """Differences of the engine's cumulative statistics over one loop."""
+
+    decode_steps: int  # steps that ran at least one decode row (one loop of the stack each)
+    row_loops: int  # decode rows executed, summed over steps
+    prefill_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrialRecord:
+    requests: list[RequestRecord]
+    duration_s: float
+    counters: EngineCounters
+    peak_kv_pages: int  # most KV pages in use after any step
+    kv_pages_total: int  # usable pages of the engine
+    peak_running: int  # most requests the engine ran at once
+    min_in_flight_while_queued: int  # fewest in flight at a step while requests still waited
+    peak_memory_bytes: int | None = None  # filled in by the caller on CUDA
+
+
+def make_requests(
+    workload: Workload,
+    count: int,
+    *,
+    seed: tuple[int, ...],
+    vocab_size: int,
+    num_loops: int,
+    exits: str,
+    temperature: float,
+) -> list[RequestSpec]:
+    """`count` requests with random prompts; the same `seed` gives the same requests.
+
+    exits "fixed": every generated token runs all `num_loops` loops (given as explicit trace
+    depths, because the `trace` exit mode does not consult `exit_threshold`); "d2.6": no depths
+    are given and the engine draws them from its trace distribution with each request's seed.
+    """
+    generator = np.random.default_rng(list(seed))
+    fixed_depths = (num_loops,) * (workload.output_len - 1) if exits == "fixed" else None
+    specs = []
+    for _ in range(count):
+        prompt = generator.integers(0, vocab_size, size=workload.prompt_len).tolist()
+        params = SamplingParams(
+            max_tokens=workload.output_len,
+            ignore_eos=True,
+            temperature=temperature,
+            seed=int(generator.integers(0, 2**63 - 1)),
+            exit_threshold=1.0 if exits == "fixed" else None,
+            trace_depths=fixed_depths,
+        )
+        specs.append(RequestSpec(prompt, params))
+    return specs
+
+
+def run_closed_loop(
+    engine: Engine, requests: list[RequestSpec], concurrency: int, tag: str
+) -> TrialRecord:
+    """Run `requests` keeping `concurrency` of them in the engine; ids are `{tag}-{index}`."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine must be idle before a closed loop starts")
+    queue = deque(enumerate(requests))
+    before = engine.stats()
+    finished: list[RequestRecord] = []
+    in_flight = 0
+    peak_pages = peak_running = 0
+    min_in_flight = concurrency
+    start = time.monotonic()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            index, spec = queue.popleft()
+            engine.add_request(spec.prompt_token_ids, spec.params, request_id=f"{tag}-{index}")
+            in_flight += 1
+        if queue:
+            min_in_flight = min(min_in_flight, in_flight)
+        for output in engine.step():
+            if output.finished:
+                finished.append(_record(output))
+                in_flight -= 1
+        peak_pages = max(peak_pages, engine.kv.num_used_pages)
+        peak_running = max(peak_running, len(engine.scheduler.running))
+    duration = time.monotonic() - start
+    return TrialRecord(
+        requests=finished,
+        duration_s=duration,
+        counters=_counters(before, engine.stats()),
+        peak_kv_pages=peak_pages,
+        kv_pages_total=before.kv_pages_total,
+        peak_running=peak_running,
+        min_in_flight_while_queued=min_in_flight,
+    )
+
+
+def _record(output: RequestOutput) -> RequestRecord:
+    metrics = output.metrics
+    if metrics.first_token_time is None or metrics.finished_time is None:
+        raise RuntimeError(f"request {output.request_id} finished without token times")
+    if output.finish_reason != "length":
+        raise RuntimeError(
+            f"request {output.request_id} ended with {output.finish_reason!r}, not 'length'"
+        )
+    return RequestRecord(
+        num_prompt_tokens=output.num_prompt_tokens,
+        exit_depths=tuple(output.exit_depths),
+        arrival_time=metrics.arrival_time,
+        first_token_time=metrics.first_token_time,
+        token_times=tuple(metrics.token_times),
+        finished_time=metrics.finished_time,
+    )
+
+
+def _counters(before: EngineStats, after: EngineStats) -> EngineCounters:
+    return EngineCounters(
+        decode_steps=after.decode_steps - before.decode_steps,
+        row_loops=sum(after.row_loops_by_loop.values()) - sum(before.row_loops_by_loop.values()),
+        prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+        generated_tokens=after.generated_tokens - before.generated_tokens,
+    )

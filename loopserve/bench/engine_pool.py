@@ -1,0 +1,158 @@
+"""The engines a benchmark sweep runs on: built once per `EngineKey`, released before others.
+
+Owns: turning the sweep's settings and an `EngineKey` into an `EngineConfig` (always the `trace`
+exit mode: fixed depth is requested per request), timing start-up, sharing GPU memory between
+engines that must be alive together (A/B runs), freeing an engine's memory before the next one
+is built, and reading the model's sizes for the floor. Must not: run requests or time them.
+
+Scheduling, KV layout and CUDA graphs are engine settings, so each combination needs its own
+engine; exit depths are per request, so fixed-depth and traced runs share one. Weights are read
+from the checkpoint on local disk for every engine (the OS page cache keeps the later reads cheap);
+start-up time is reported separately from every measured figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loopserve.bench.floor import ModelBytes
+from loopserve.bench.sweep_spec import EngineKey
+from loopserve.config import EngineConfig
+from loopserve.engine.engine import Engine
+from loopserve.engine.trace import D2_6
+
+# The EngineConfig field that switches the CUDA graph runner on and off.
+GRAPHS_FIELD = "cuda_graphs"
+
+
+def graphs_flag_available() -> bool:
+    return GRAPHS_FIELD in {field.name for field in dataclasses.fields(EngineConfig)}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """What every engine of a sweep shares."""
+
+    model: str
+    device: str
+    dtype: str
+    attention_backend: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int
+    gpu_memory_utilization: float  # split evenly between engines that are alive together
+    num_kv_pages: int | None  # None: sized from memory
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltEngine:
+    engine: Engine
+    key: EngineKey
+    startup_s: float  # seconds to construct the engine (weights, KV cache, graphs if eager)
+
+
+def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float) -> EngineConfig:
+    fields: dict[str, Any] = {}
+    if graphs_flag_available():
+        fields[GRAPHS_FIELD] = key.graphs
+    elif key.graphs:
+        raise ValueError(f"this engine has no EngineConfig.{GRAPHS_FIELD}; cannot turn graphs on")
+    return EngineConfig(
+        model=settings.model,
+        load_format="auto",
+        device=settings.device,
+        dtype=settings.dtype,
+        kv_layout=key.kv_layout,
+        attention_backend=settings.attention_backend,
+        num_kv_pages=settings.num_kv_pages,
+        gpu_memory_utilization=settings.gpu_memory_utilization * memory_share,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        prefill_chunk_size=settings.prefill_chunk_size,
+        scheduling=key.scheduling,
+        exit_mode="trace",
+        trace_distribution=D2_6,
+        seed=settings.seed,
+        **fields,
+    )
+
+
+class EnginePool:
+    """Keeps exactly the engines the current part of a sweep needs."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self._engines: dict[EngineKey, BuiltEngine] = {}
+
+    def open(self, keys: list[EngineKey]) -> dict[EngineKey, BuiltEngine]:
+        """Engines for `keys`, alive together. The same set is reused; any other set is built
+        anew after the current engines are freed. Engine i of n is built with the fraction
+        (i + 1) / n of the memory utilisation: each engine sizes its KV cache from the memory
+        the earlier ones left, so they end up with about equal shares."""
+        keys = list(dict.fromkeys(keys))
+        if set(keys) == set(self._engines):
+            return dict(self._engines)
+        self.close()
+        for index, key in enumerate(keys):
+            config = engine_config(self.settings, key, (index + 1) / len(keys))
+            _say(f"building engine {_describe(key)} ...")
+            started = time.monotonic()
+            engine = Engine(config)
+            startup = time.monotonic() - started
+            _say(f"  ready in {startup:.1f} s ({engine.runtime.num_kv_pages} KV pages)")
+            self._engines[key] = BuiltEngine(engine, key, startup)
+        return dict(self._engines)
+
+    def close(self) -> None:
+        """Free every engine and give its device memory back before another is built."""
+        device_type = next(
+            (built.engine.runtime.device.type for built in self._engines.values()), None
+        )
+        self._engines.clear()
+        gc.collect()
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def model_bytes(engine: Engine) -> ModelBytes:
+    """The model's sizes for the floor, from the loaded weights themselves."""
+    core_bytes = core_params = lm_head_bytes = 0
+    for name, parameter in engine.runner.model.named_parameters():
+        size = parameter.numel() * parameter.element_size()
+        if name.startswith("model.layers.") or name == "model.norm.weight":
+            core_bytes += size
+            core_params += parameter.numel()
+        elif name == "lm_head.weight":
+            lm_head_bytes = size
+    return ModelBytes(
+        core_weight_bytes=core_bytes,
+        lm_head_bytes=lm_head_bytes,
+        kv_bytes_per_token_plane=engine.runtime.kv_bytes_per_page // engine.config.block_size,
+        core_params=core_params,
+    )
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def _describe(key: EngineKey) -> str:
+    graphs = "graphs" if key.graphs else "eager"
+    return f"({graphs}, kv_layout={key.kv_layout}, scheduling={key.scheduling})"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,288 @@
+"""Offline throughput: the matched closed-loop protocol of BENCHMARKS.md on random-weight Ouro.
+
+`loopserve bench offline` keeps C requests in flight (2 × C per trial, random prompts, EOS
+ignored), sweeps workloads × concurrency × exits (fixed depth, trace d2.6) × scheduling (refill,
+no_refill) × CUDA graphs, and prints one JSON line per configuration with medians and spread of
+every figure and the ratio to the bandwidth floor, then a markdown summary. `--plot` draws
+throughput vs concurrency; `--ab` alternates the variants trial by trial (A B B A);
+`--preset issue3` runs GPU issue 3's table. See docs/benchmarks.md.
+
+Owns: the command line and wiring (plan, checkpoint, calibration, sweep, summary, plot). Must not:
+hold benchmark logic of its own; every piece lives in its module under loopserve.bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from loopserve.bench.presets import PRESETS
+from loopserve.bench.records import Record, json_line, spec_config
+from loopserve.bench.sweep_spec import (
+    EXITS,
+    GRAPHS,
+    KV_LAYOUTS,
+    SCHEDULINGS,
+    RunSpec,
+    SpecResult,
+    Variant,
+    Workload,
+    grid,
+    parse_concurrency,
+    parse_list,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+SWEEP_FLAGS = ("workload", "concurrency", "exits", "scheduling", "graphs", "trials")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _sweep_arguments(parser.add_argument_group("sweep (--preset fixes these)"))
+    protocol = parser.add_argument_group("protocol")
+    protocol.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep (see docs)")
+    protocol.add_argument(
+        "--ab",
+        action="store_true",
+        help="alternate the variants trial by trial at each point (A B B A)",
+    )
+    protocol.add_argument(
+        "--warmup-output-len",
+        type=int,
+        default=None,
+        help="output tokens of the warm-up wave's requests (default: the workload's; 0: none)",
+    )
+    protocol.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds; configurations not started by then are skipped (default: the preset's)",
+    )
+    _engine_arguments(parser.add_argument_group("engine"))
+    output = parser.add_argument_group("output")
+    output.add_argument("--output", type=Path, help="also write the JSON lines to this file")
+    output.add_argument("--summary", type=Path, help="also write the markdown summary here")
+    output.add_argument("--plot", type=Path, help="PNG of output tok/s vs concurrency")
+
+
+def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--workload", action="append", help="PROMPT/OUTPUT tokens, repeatable (default 512/128)"
+    )
+    group.add_argument(
+        "--concurrency", help="comma list of requests in flight (default 1,8,32,128)"
+    )
+    group.add_argument("--exits", help="comma list of fixed, d2.6 (default both)")
+    group.add_argument("--scheduling", help="comma list of refill, no_refill (default both)")
+    group.add_argument("--graphs", help="comma list of on, off (default both; CPU: eager only)")
+    group.add_argument("--trials", type=int, help="measured trials per configuration (default 3)")
+
+
+def _engine_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory (default: a random Ouro-1.4B written once to "
+        "~/.cache/loopserve/ouro-1.4b-random)",
+    )
+    group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if any)")
+    group.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA), bfloat16, float32")
+    group.add_argument("--kv-layout", default="full", help="comma list of full, shared")
+    group.add_argument("--attention-backend", default="auto")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest C")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default: max(2048, max-num-seqs)"
+    )
+    group.add_argument("--prefill-chunk-size", type=int, default=512)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument(
+        "--num-kv-pages", type=int, default=None, help="exact KV pages (default: sized from memory)"
+    )
+    group.add_argument("--temperature", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    specs: list[RunSpec]
+    skipped: list[tuple[RunSpec, str]]  # (spec, why it will not run)
+    time_budget_s: float | None
+
+
+def make_plan(args: argparse.Namespace, device_type: str, graphs_flag: bool) -> Plan:
+    """The specs to run on this device, and those that cannot run here."""
+    specs, budget = _requested_specs(args)
+    if device_type != "cuda":
+        if any(spec.variant.graphs for spec in specs):
+            _say("CUDA graphs do not apply on the CPU: graphs-on configurations run eager")
+        eager = [replace(spec, variant=replace(spec.variant, graphs=False)) for spec in specs]
+        unique = {(spec.variant, spec.point): spec for spec in reversed(eager)}
+        return Plan(
+            [spec for spec in eager if unique[(spec.variant, spec.point)] is spec], [], budget
+        )
+    if graphs_flag:
+        return Plan(specs, [], budget)
+    reason = (
+        "this engine has no EngineConfig.cuda_graphs (the CUDA graph runner is not in this "
+        "version): graphs-on configurations are skipped"
+    )
+    skipped = [(spec, reason) for spec in specs if spec.variant.graphs]
+    if skipped:
+        _say(reason)
+    return Plan([spec for spec in specs if not spec.variant.graphs], skipped, budget)
+
+
+def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | None]:
+    layouts = parse_list(args.kv_layout, KV_LAYOUTS, "--kv-layout")
+    if args.preset is not None:
+        given = [f"--{name}" for name in SWEEP_FLAGS if getattr(args, name) is not None]
+        if given or len(layouts) > 1:
+            raise ValueError(
+                f"--preset {args.preset} fixes the sweep; drop {given or '--kv-layout'}"
+            )
+        preset = PRESETS[args.preset](layouts[0])
+        budget = args.time_budget if args.time_budget is not None else preset.time_budget_s
+        return preset.specs, budget
+    variants = [
+        Variant(exits, scheduling, graphs == "on", layout)
+        for exits in parse_list(args.exits or ",".join(EXITS), EXITS, "--exits")
+        for scheduling in parse_list(
+            args.scheduling or ",".join(SCHEDULINGS), SCHEDULINGS, "--scheduling"
+        )
+        for graphs in parse_list(args.graphs or ",".join(GRAPHS), GRAPHS, "--graphs")
+        for layout in layouts
+    ]
+    workloads = [Workload.parse(text) for text in args.workload or ["512/128"]]
+    concurrencies = parse_concurrency(args.concurrency or "1,8,32,128")
+    trials = 3 if args.trials is None else args.trials
+    if trials < 1 or (args.warmup_output_len is not None and args.warmup_output_len < 0):
+        raise ValueError("--trials must be at least 1 and --warmup-output-len at least 0")
+    return grid(
+        workloads, concurrencies, variants, trials, args.warmup_output_len
+    ), args.time_budget
+
+
+class RecordSink:
+    """Prints every record as one JSON line and appends it to `--output` if given."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("w")
+
+    def emit(self, record: Record) -> None:
+        line = json_line(record)
+        print(line, flush=True)
+        if self._file is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from loopserve.bench.engine_pool import graphs_flag_available
+    from loopserve.runner.setup import resolve_device
+
+    started = time.monotonic()
+    device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    plan = make_plan(args, device.type, graphs_flag_available())
+    sink = RecordSink(args.output)
+    try:
+        results = _measure(args, plan, device, sink, started)
+    finally:
+        sink.close()
+    if not results:
+        _say("nothing was measured")
+        return 1
+    _report(args, results)
+    return 0
+
+
+def _measure(
+    args: argparse.Namespace, plan: Plan, device: torch.device, sink: RecordSink, started: float
+) -> list[SpecResult]:
+    from loopserve.bench.calibration import measure_ceilings
+    from loopserve.bench.checkpoint_cache import ensure_random_checkpoint
+    from loopserve.bench.engine_pool import EnginePool, EngineSettings
+    from loopserve.bench.provenance import describe
+    from loopserve.bench.sweep import SweepRunner
+    from loopserve.models.loader import resolve_dtype
+
+    model = args.model or str(ensure_random_checkpoint())
+    dtype_name = (
+        args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    )
+    _say(f"measuring copy bandwidth and matmul FLOP/s on {device} ...")
+    ceilings = measure_ceilings(device, resolve_dtype(dtype_name))
+    provenance = describe(device)
+    base: Record = {
+        "bench": "offline",
+        "git_sha": provenance.git_sha,
+        "git_dirty": provenance.git_dirty,
+        "device": provenance.device,
+        "torch": provenance.torch_version,
+        "cuda": provenance.cuda_version,
+        "model": model,
+        "preset": args.preset,
+        "ab": args.ab,
+    }
+    for spec, reason in plan.skipped:
+        config = spec_config(spec, temperature=args.temperature, seed=args.seed)
+        sink.emit(base | {"record": "skipped", "config": config, "reason": reason})
+    max_seqs = args.max_num_seqs or max(spec.point.concurrency for spec in plan.specs)
+    settings = EngineSettings(
+        model=model,
+        device=str(device),
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max_seqs),
+        prefill_chunk_size=args.prefill_chunk_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_pages=args.num_kv_pages,
+        seed=args.seed,
+    )
+    pool = EnginePool(settings)
+    deadline = None if plan.time_budget_s is None else started + plan.time_budget_s
+    runner = SweepRunner(
+        pool,
+        ceilings,
+        lambda record: sink.emit(base | record),
+        workloads=sorted({spec.point.workload for spec in plan.specs}),
+        temperature=args.temperature,
+        seed=args.seed,
+        deadline=deadline,
+    )
+    try:
+        return runner.run_ab(plan.specs) if args.ab else runner.run(plan.specs)
+    finally:
+        pool.close()
+
+
+def _report(args: argparse.Namespace, results: list[SpecResult]) -> None:
+    from loopserve.bench.summary import summary_markdown
+
+    summary = summary_markdown(results)
+    print(summary, flush=True)
+    if args.summary is not None:
+        args.summary.parent.mkdir(parents=True, exist_ok=True)
+        args.summary.write_text(summary)
+    if args.plot is not None:
+        from loopserve.bench.plot import plot_throughput
+
+        _say(f"wrote {plot_throughput(results, args.plot)}")
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
