@@ -41,7 +41,7 @@ def matmul_invariance(config: OuroConfig, device: torch.device) -> list[dict[str
         "lm_head": (config.vocab_size, hidden),
     }
     generator = torch.Generator(device=device).manual_seed(0)
-    findings = []
+    findings: list[dict[str, object]] = []
     for name, (rows, cols) in shapes.items():
         weight = torch.randn(rows, cols, device=device, generator=generator).to(torch.bfloat16)
         x = torch.randn(max(BATCHES), cols, device=device, generator=generator).to(torch.bfloat16)
