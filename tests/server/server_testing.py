@@ -35,7 +35,7 @@ def engine_options() -> dict[str, Any]:
     return {"num_kv_pages": 2048, "max_num_seqs": 64, "seed": 0}
 
 
-def write_tiny_model(directory: Path) -> Path:
+def write_tiny_model(directory: Path, max_model_len: int = MAX_MODEL_LEN) -> Path:
     from loopserve.models.checkpoint_writer import write_random_checkpoint
     from loopserve.models.ouro_config import OuroConfig
     from loopserve.train.corpus import CorpusFile
@@ -51,7 +51,7 @@ def write_tiny_model(directory: Path) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=MAX_MODEL_LEN,
+        max_position_embeddings=max_model_len,
     )
     write_random_checkpoint(directory, config)
     save_tokenizer(tokenizer, directory)

@@ -2,7 +2,8 @@
 
 Owns: `build_app`, which wires one `ServingContext` into the routes (`/v1/completions`,
 `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`), starts the engine thread with the
-app and stops it (aborting what is left) when the app shuts down. Must not: hold module-level
+app and stops it (aborting what is left) when the app shuts down; on SIGTERM it aborts what is
+still running once the drain timeout has passed (see `shutdown`). Must not: hold module-level
 state (every app carries its own context) or call the engine (the engine thread owns it).
 """
 
@@ -29,6 +30,7 @@ from loopserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopserve.entrypoints.openai.responses import ModelCard, ModelList, to_json
 from loopserve.entrypoints.openai.serving_chat import create_chat_completion
 from loopserve.entrypoints.openai.serving_completions import create_completion
+from loopserve.entrypoints.openai.shutdown import abort_after_drain
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -53,10 +55,13 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        context.engine.start(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        context.engine.start(loop)
+        restore_signals = abort_after_drain(loop, context.engine, config.shutdown_timeout_s)
         try:
             yield
         finally:
+            restore_signals()
             await asyncio.to_thread(context.engine.stop)
 
     app = FastAPI(

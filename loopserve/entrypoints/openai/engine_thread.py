@@ -106,11 +106,15 @@ class EngineThread:
             with contextlib.suppress(EngineDeadError):
                 self._submit(_Abort(tuple(request_ids)))
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Abort whatever is running and end the thread."""
+    def request_stop(self) -> None:
+        """Make the thread abort whatever is running, refuse new requests and end; no waiting."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """`request_stop`, then wait for the thread to end."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
 

@@ -50,6 +50,8 @@ class Generation:
             batch = []
             for item in items:
                 if isinstance(item, EngineDeadError):
+                    if not self._unfinished:
+                        continue  # the final (abort) outputs came first: nothing is lost
                     self._unfinished.clear()
                     raise _unavailable(item)
                 if item.finished:

@@ -1,9 +1,10 @@
 """Running the app under uvicorn, with graceful shutdown.
 
-Owns: building the engine and the app, and the uvicorn settings: on SIGTERM or Ctrl-C uvicorn
-stops accepting connections, lets in-flight requests finish for `shutdown_timeout_s`, then
-cancels them (which aborts their engine requests); the app's lifespan then stops the engine
-thread, aborting anything left. Must not: parse command lines (the CLI does).
+Owns: building the engine and the app, and the uvicorn settings. On SIGTERM or Ctrl-C uvicorn
+stops accepting connections and waits for open ones; the app lets in-flight requests finish for
+`shutdown_timeout_s`, then aborts the rest (their clients get `finish_reason: "abort"`); uvicorn
+cancels whatever is still open a few seconds later; the app's lifespan then stops the engine
+thread. Must not: parse command lines (the CLI does).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.entrypoints.openai.app import build_app
 from loopserve.entrypoints.openai.config import ServerConfig
+
+# Seconds uvicorn waits, after the app aborted what was left, before it cancels connections.
+SHUTDOWN_BACKSTOP_S = 5
 
 if TYPE_CHECKING:
     import uvicorn
@@ -29,7 +33,8 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
         port=config.port,
         log_level=config.log_level,
         lifespan="on",
-        timeout_graceful_shutdown=config.shutdown_timeout_s,
+        # A backstop: the app aborts what is left after shutdown_timeout_s (see `shutdown`).
+        timeout_graceful_shutdown=config.shutdown_timeout_s + SHUTDOWN_BACKSTOP_S,
     )
 
 

@@ -24,7 +24,9 @@ _Result = TypeVar("_Result")
 
 
 def sse_event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+    # ASCII-only JSON: generated text may hold U+2028, U+0085 and the like, which many clients'
+    # line readers (str.splitlines, httpx's iter_lines) would split an event at.
+    return b"data: " + json.dumps(data, ensure_ascii=True).encode() + b"\n\n"
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

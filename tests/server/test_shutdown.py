@@ -1,0 +1,110 @@
+"""Graceful shutdown of `loopserve serve` (a real subprocess) on SIGTERM: a request that can
+finish within --shutdown-timeout completes, one that cannot is aborted when the timeout passes
+and its stream ends cleanly with `finish_reason: "abort"`, and the process exits."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_testing import write_tiny_model
+
+SHUTDOWN_TIMEOUT_S = 2
+LONG_MAX_TOKENS = 4000  # thousands of engine steps: cannot finish within the timeout
+
+
+_CLI = "import sys; from loopserve.entrypoints.cli import main; sys.exit(main())"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-c", _CLI,
+        "serve", "--model", str(model), "--port", str(port), "--served-model-name", "tiny",
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "1024",
+        "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"the server did not start: {process.communicate()[1].decode()[-2000:]}")
+
+
+class _Stream(threading.Thread):
+    """Reads one streamed completion; records its events and how it ended."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/v1/completions"
+        self.body = {
+            "prompt": "x y z",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        self.first_event = threading.Event()
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.done = False
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                        self.num_tokens += len(choice["exit_depths"])
+                        self.finish_reason = choice["finish_reason"]
+                        self.first_event.set()
+        except httpx.HTTPError as error:
+            self.error = error
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "model", max_model_len=LONG_MAX_TOKENS + 64)
+    port = _free_port()
+    process = _start_server(model, port)
+    try:
+        long, short = _Stream(port, LONG_MAX_TOKENS), _Stream(port, 24)
+        long.start()
+        assert long.first_event.wait(30)
+        short.start()
+        assert short.first_event.wait(30)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        short.join(30)
+        assert (short.done, short.finish_reason, short.num_tokens) == (True, "length", 24)
+        _, stderr = process.communicate(timeout=SHUTDOWN_TIMEOUT_S + 30)
+        long.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert time.monotonic() - signalled < SHUTDOWN_TIMEOUT_S + 20
+    assert process.returncode in (0, -signal.SIGTERM), stderr.decode()[-2000:]
+    assert long.error is None
+    assert (long.done, long.finish_reason) == (True, "abort")
+    assert 0 < long.num_tokens < LONG_MAX_TOKENS
+    assert b"Traceback" not in stderr, stderr.decode()[-2000:]
