@@ -57,9 +57,10 @@ class ModelShape:
 class Stage1Config:
     """Stage 1: the whole model minimises the exit-weighted loss minus an entropy bonus."""
 
-    steps: int = 1500
+    # About 13 epochs of the stdlib at 16k tokens per step.
+    steps: int = 2000
     # Sequences per step (each `TrainTinyConfig.seq_len` tokens).
-    batch_size: int = 64
+    batch_size: int = 32
     # AdamW peak learning rate, reached after warmup_steps, then cosine decay to min_lr_ratio.
     learning_rate: float = 3e-3
     warmup_steps: int = 100
@@ -73,7 +74,7 @@ class Stage1Config:
     # Initial gate bias: sigmoid(-1.1) ≈ 0.25, so the initial exit distribution is spread out.
     gate_bias_init: float = -1.1
     # Print progress every log_every steps and the held-out loss every eval_every steps.
-    log_every: int = 25
+    log_every: int = 50
     eval_every: int = 250
     # Wall-time budget in seconds: once the steps would not fit, the cosine decay is compressed to
     # end on time and stage 1 stops early (such a run is not step-for-step reproducible).
@@ -86,7 +87,7 @@ class Stage2Config:
     """Stage 2: the model is frozen; only the gate learns whether another loop still helps."""
 
     steps: int = 300
-    batch_size: int = 64
+    batch_size: int = 32
     learning_rate: float = 1e-2
     # Continue-target w = sigmoid(sharpness * (improvement - margin)), improvement in nats per
     # token from one more loop (the Ouro paper's k = 50, γ = 0.005).

@@ -45,6 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--corpus-root", type=Path, default=None, help="corpus directory (default: the stdlib)"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: torch's own; 1 with --small, whose matrices are too small to "
+        "gain from more)",
+    )
     parser.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing tiny checkpoint in OUTPUT"
@@ -69,7 +76,8 @@ def _config(args: argparse.Namespace) -> TrainTinyConfig:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("steps", "gate_steps", "batch_size", "seq_len", "max_files", "time_limit"):
+    names = ("steps", "gate_steps", "batch_size", "seq_len", "max_files", "time_limit", "threads")
+    for name in names:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -92,13 +100,20 @@ def run(args: argparse.Namespace) -> int:
     config = _config(args)
     log = ProgressLog()
     log.message(f"training on {device} with preset {'small' if args.small else 'default'}")
-    train_tiny(
-        config,
-        args.output,
-        device,
-        log,
-        overwrite=args.overwrite,
-        corpus_root=args.corpus_root,
-        save_dtype=resolve_dtype(args.save_dtype),
-    )
+    threads = args.threads or (1 if args.small else None)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        train_tiny(
+            config,
+            args.output,
+            device,
+            log,
+            overwrite=args.overwrite,
+            corpus_root=args.corpus_root,
+            save_dtype=resolve_dtype(args.save_dtype),
+        )
+    finally:
+        torch.set_num_threads(previous_threads)
     return 0
