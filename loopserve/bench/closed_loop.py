@@ -5,8 +5,10 @@ Owns: building a wave of seeded random requests (`make_requests`), driving an en
 is `figures.py`), time anything but the loop itself, or import torch.
 
 A finished request is replaced before the next engine step, so the engine always holds C requests
-while any are queued. The clock starts before the first `add_request` and stops after the last
-step: prefill and drain are inside, model load and warm-up are not.
+while any are queued. The clock starts before the first `add_request` and stops when the last
+request's last token is back: prefill and drain are inside, model load and warm-up are not. With
+async scheduling the engine may still hold one launched step then; it is drained untimed (it runs
+no rows: the device deactivates a slot in the step that stops it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class RequestSpec:
 class RequestRecord:
     """One finished request, reduced to what the figures and the floor need."""
 
+    request_id: str
     num_prompt_tokens: int
     exit_depths: tuple[int, ...]  # loops run for each generated token (the first: all of them)
     arrival_time: float  # time.monotonic() seconds
@@ -126,6 +129,8 @@ def run_closed_loop(
         peak_pages = max(peak_pages, engine.kv.num_used_pages)
         peak_running = max(peak_running, len(engine.scheduler.running))
     duration = time.monotonic() - start
+    while engine.has_unfinished_requests():
+        engine.step()  # async scheduling: a step launched before the last exit was read back
     return TrialRecord(
         requests=finished,
         duration_s=duration,
@@ -146,6 +151,7 @@ def _record(output: RequestOutput) -> RequestRecord:
             f"request {output.request_id} ended with {output.finish_reason!r}, not 'length'"
         )
     return RequestRecord(
+        request_id=output.request_id,
         num_prompt_tokens=output.num_prompt_tokens,
         exit_depths=tuple(output.exit_depths),
         arrival_time=metrics.arrival_time,

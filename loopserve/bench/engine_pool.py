@@ -5,7 +5,8 @@ exit mode: fixed depth is requested per request), timing start-up, sharing GPU m
 engines that must be alive together (A/B runs), freeing an engine's memory before the next one
 is built, and reading the model's sizes for the floor. Must not: run requests or time them.
 
-Scheduling, KV layout and CUDA graphs are engine settings, so each combination needs its own
+Scheduling, KV layout and CUDA graphs (`EngineConfig.cuda_graphs`, used by the device-resident
+decode step on CUDA) are engine settings, so each combination needs its own
 engine; exit depths are per request, so fixed-depth and traced runs share one. Weights are read
 from the checkpoint on local disk for every engine (the OS page cache keeps the later reads cheap);
 start-up time is reported separately from every measured figure.
@@ -13,12 +14,10 @@ start-up time is reported separately from every measured figure.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -28,12 +27,8 @@ from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.engine.trace import D2_6
 
-# The EngineConfig field that switches the CUDA graph runner on and off.
-GRAPHS_FIELD = "cuda_graphs"
-
-
-def graphs_flag_available() -> bool:
-    return GRAPHS_FIELD in {field.name for field in dataclasses.fields(EngineConfig)}
+# Device memory still allocated after the engines are freed that is worth a warning.
+LEAK_WARNING_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +45,7 @@ class EngineSettings:
     gpu_memory_utilization: float  # split evenly between engines that are alive together
     num_kv_pages: int | None  # None: sized from memory
     seed: int
+    decode_mode: str  # "auto" (device-resident decode on CUDA), "host" or "device"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +56,6 @@ class BuiltEngine:
 
 
 def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float) -> EngineConfig:
-    fields: dict[str, Any] = {}
-    if graphs_flag_available():
-        fields[GRAPHS_FIELD] = key.graphs
-    elif key.graphs:
-        raise ValueError(f"this engine has no EngineConfig.{GRAPHS_FIELD}; cannot turn graphs on")
     return EngineConfig(
         model=settings.model,
         load_format="auto",
@@ -81,7 +72,8 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         exit_mode="trace",
         trace_distribution=D2_6,
         seed=settings.seed,
-        **fields,
+        decode_mode=settings.decode_mode,
+        cuda_graphs=key.graphs,
     )
 
 
@@ -120,6 +112,9 @@ class EnginePool:
         gc.collect()
         if device_type == "cuda":
             torch.cuda.empty_cache()
+            left = torch.cuda.memory_allocated()
+            if left > LEAK_WARNING_BYTES:
+                _say(f"warning: {left / 2**30:.1f} GiB still allocated after freeing the engines")
 
 
 def model_bytes(engine: Engine) -> ModelBytes:

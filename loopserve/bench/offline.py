@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from loopserve.bench.presets import PRESETS
-from loopserve.bench.records import Record, json_line, spec_config
+from loopserve.bench.records import Record, json_line
 from loopserve.bench.sweep_spec import (
     EXITS,
     GRAPHS,
@@ -103,6 +103,12 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--num-kv-pages", type=int, default=None, help="exact KV pages (default: sized from memory)"
     )
+    group.add_argument(
+        "--decode-mode",
+        default="auto",
+        choices=("auto", "host", "device"),
+        help="auto: the device-resident decode step on CUDA, host-driven on the CPU",
+    )
     group.add_argument("--temperature", type=float, default=1.0)
     group.add_argument("--seed", type=int, default=0)
 
@@ -110,31 +116,20 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
 @dataclass(frozen=True, slots=True)
 class Plan:
     specs: list[RunSpec]
-    skipped: list[tuple[RunSpec, str]]  # (spec, why it will not run)
     time_budget_s: float | None
 
 
-def make_plan(args: argparse.Namespace, device_type: str, graphs_flag: bool) -> Plan:
-    """The specs to run on this device, and those that cannot run here."""
+def make_plan(args: argparse.Namespace, device_type: str) -> Plan:
+    """The specs to run on this device. CUDA graphs exist only on CUDA: on the CPU every spec
+    runs eager and specs that become identical are run once."""
     specs, budget = _requested_specs(args)
-    if device_type != "cuda":
-        if any(spec.variant.graphs for spec in specs):
-            _say("CUDA graphs do not apply on the CPU: graphs-on configurations run eager")
-        eager = [replace(spec, variant=replace(spec.variant, graphs=False)) for spec in specs]
-        unique = {(spec.variant, spec.point): spec for spec in reversed(eager)}
-        return Plan(
-            [spec for spec in eager if unique[(spec.variant, spec.point)] is spec], [], budget
-        )
-    if graphs_flag:
-        return Plan(specs, [], budget)
-    reason = (
-        "this engine has no EngineConfig.cuda_graphs (the CUDA graph runner is not in this "
-        "version): graphs-on configurations are skipped"
-    )
-    skipped = [(spec, reason) for spec in specs if spec.variant.graphs]
-    if skipped:
-        _say(reason)
-    return Plan([spec for spec in specs if not spec.variant.graphs], skipped, budget)
+    if device_type == "cuda":
+        return Plan(specs, budget)
+    if any(spec.variant.graphs for spec in specs):
+        _say("CUDA graphs do not apply on the CPU: graphs-on configurations run eager")
+    eager = [replace(spec, variant=replace(spec.variant, graphs=False)) for spec in specs]
+    first = {(spec.variant, spec.point): spec for spec in reversed(eager)}
+    return Plan([spec for spec in eager if first[(spec.variant, spec.point)] is spec], budget)
 
 
 def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | None]:
@@ -191,12 +186,11 @@ class RecordSink:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loopserve.bench.engine_pool import graphs_flag_available
     from loopserve.runner.setup import resolve_device
 
     started = time.monotonic()
     device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    plan = make_plan(args, device.type, graphs_flag_available())
+    plan = make_plan(args, device.type)
     sink = RecordSink(args.output)
     try:
         results = _measure(args, plan, device, sink, started)
@@ -237,9 +231,6 @@ def _measure(
         "preset": args.preset,
         "ab": args.ab,
     }
-    for spec, reason in plan.skipped:
-        config = spec_config(spec, temperature=args.temperature, seed=args.seed)
-        sink.emit(base | {"record": "skipped", "config": config, "reason": reason})
     max_seqs = args.max_num_seqs or max(spec.point.concurrency for spec in plan.specs)
     settings = EngineSettings(
         model=model,
@@ -252,6 +243,7 @@ def _measure(
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_pages=args.num_kv_pages,
         seed=args.seed,
+        decode_mode=args.decode_mode,
     )
     pool = EnginePool(settings)
     deadline = None if plan.time_budget_s is None else started + plan.time_budget_s

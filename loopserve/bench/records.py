@@ -57,6 +57,9 @@ def engine_fields(built: BuiltEngine) -> Record:
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "prefill_chunk_size": config.prefill_chunk_size,
+        "decode_on_device": config.decode_on_device(),
+        "async_scheduling": config.async_scheduling,
+        "cuda_graphs_active": built.engine.runner.graphs is not None,
     }
 
 

@@ -1,0 +1,83 @@
+"""`loopserve bench offline` end to end on the CPU with a tiny checkpoint: JSON lines with every
+figure, the markdown summary, the plot, A B B A alternation and the time budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loopserve.bench.figures import FIGURES
+from loopserve.entrypoints.cli import main
+
+CONFIG_KEYS = {
+    "workload", "concurrency", "num_requests", "exits", "scheduling", "graphs", "kv_layout",
+    "trials", "dtype", "attention_backend", "num_kv_pages", "decode_on_device",
+}  # fmt: skip
+
+
+def _bench(checkpoint: Path, tmp_path: Path, *extra: str) -> tuple[int, list[dict]]:
+    output = tmp_path / "out.jsonl"
+    argv = [
+        "bench", "offline", "--model", str(checkpoint), "--device", "cpu",
+        "--workload", "6/4", "--warmup-output-len", "2", "--num-kv-pages", "200",
+        "--output", str(output), *extra,
+    ]  # fmt: skip
+    code = main(argv)
+    return code, [json.loads(line) for line in output.read_text().splitlines()]
+
+
+def test_sweep_prints_every_figure_summary_and_plot(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary, plot = tmp_path / "summary.md", tmp_path / "plot.png"
+    code, records = _bench(
+        tiny_checkpoint, tmp_path,
+        "--concurrency", "1,2", "--exits", "fixed,d2.6", "--scheduling", "refill",
+        "--graphs", "on,off", "--trials", "2", "--summary", str(summary), "--plot", str(plot),
+    )  # fmt: skip
+    assert code == 0
+    assert [r["record"] for r in records] == ["floor"] + ["offline"] * 4  # graphs: eager on CPU
+    for record in records:
+        assert record["git_sha"] and record["device"].startswith("cpu")
+    results = records[1:]
+    assert {(r["config"]["concurrency"], r["config"]["exits"]) for r in results} == {
+        (1, "fixed"), (1, "d2.6"), (2, "fixed"), (2, "d2.6"),
+    }  # fmt: skip
+    for result in results:
+        config, figures = result["config"], result["figures"]
+        assert set(config) >= CONFIG_KEYS and config["graphs"] is False
+        assert set(figures) == set(FIGURES) and set(result["spread"]) == set(FIGURES)
+        assert figures["output_tokens"] == 2 * config["concurrency"] * 4
+        assert figures["floor_ratio"] > 0 and figures["output_tok_s"] > 0
+        assert len(result["trial_output_tok_s"]) == 2
+        assert "method" in result["floor"] and result["engine_startup_s"] >= 0
+    stdout_records = [line for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    assert [json.loads(line) for line in stdout_records] == records
+    text = summary.read_text()
+    assert "| 6/4 | 2 | d2.6 | refill | off |" in text
+    assert "### trace d2.6 / fixed depth" in text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ab_alternates_variants_on_the_same_requests(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    code, records = _bench(
+        tiny_checkpoint, tmp_path,
+        "--ab", "--concurrency", "2", "--exits", "d2.6", "--scheduling", "refill,no_refill",
+        "--trials", "3",
+    )  # fmt: skip
+    assert code == 0
+    results = [r for r in records if r["record"] == "offline"]
+    assert [r["config"]["scheduling"] for r in results] == ["refill", "no_refill"]
+    assert {r["ab_order"] for r in results} == {"ABBAAB"}
+    # Same requests and seeds: the traced exit depths are identical in both variants.
+    assert results[0]["spread"]["mean_exit_depth"] == results[1]["spread"]["mean_exit_depth"]
+
+
+def test_time_budget_skips_what_it_cannot_start(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    code, records = _bench(tiny_checkpoint, tmp_path, "--concurrency", "1,2", "--time-budget", "0")
+    assert code == 1  # nothing measured
+    skipped = [r for r in records if r["record"] == "skipped"]
+    assert len(skipped) == len(records) == 2 * 2 * 2  # C × exits × scheduling (eager on CPU)
+    assert {r["reason"] for r in skipped} == {"time budget"}
