@@ -1,6 +1,7 @@
-"""Load through real HTTP: 64 concurrent streaming clients, a random quarter of them leaving
-mid-stream. Every other request completes, the leavers' requests are aborted (not run to the
-end), no KV page stays in use, and /health answers 200 throughout."""
+"""Load and disconnects through real HTTP: 64 concurrent streaming clients, a random quarter of
+them leaving mid-stream. Every other request completes, the leavers' requests are aborted (not run
+to the end), no KV page stays in use, and /health answers 200 throughout. A client that leaves a
+non-streamed request aborts it too."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 from dataclasses import dataclass
 
 import httpx
+import pytest
 from server_testing import RunningServer
 
 NUM_CLIENTS = 64
@@ -98,3 +100,14 @@ def test_64_streams_with_a_quarter_disconnecting(server: RunningServer) -> None:
     assert after[ABORTED] - before[ABORTED] == NUM_LEAVERS
     assert after[LENGTH] - before[LENGTH] == NUM_CLIENTS - NUM_LEAVERS
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(server: RunningServer) -> None:
+    before = server.wait_until_idle()
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 240 tokens
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=0.3)
+    after = server.wait_until_idle()
+    assert after[ABORTED] - before[ABORTED] == 1
+    assert after[LENGTH] == before[LENGTH]
+    assert after["loopserve:kv_pages_used"] == 0

@@ -1,6 +1,7 @@
 """Graceful shutdown of `loopserve serve` (a real subprocess) on SIGTERM: a request that can
-finish within --shutdown-timeout completes, one that cannot is aborted when the timeout passes
-and its stream ends cleanly with `finish_reason: "abort"`, and the process exits."""
+finish within --shutdown-timeout completes; streams that cannot are aborted when the timeout
+passes and end cleanly with `finish_reason: "abort"`, non-streamed ones get 503; the process
+exits."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-c", _CLI,
         "serve", "--model", str(model), "--port", str(port), "--served-model-name", "tiny",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "1024",
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "4096",
         "--uvicorn-log-level", "warning",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -47,6 +48,16 @@ def _start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
             time.sleep(0.1)
     process.kill()
     raise RuntimeError(f"the server did not start: {process.communicate()[1].decode()[-2000:]}")
+
+
+def _wait_for_running(port: int, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        if f"loopserve:num_requests_running {count}" in metrics.splitlines():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{count} requests never ran together")
 
 
 class _Stream(threading.Thread):
@@ -82,6 +93,22 @@ class _Stream(threading.Thread):
             self.error = error
 
 
+class _Unstreamed(threading.Thread):
+    """Waits for one non-streamed completion; records its status and error."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/v1/completions"
+        self.body = {"prompt": "y", "max_tokens": max_tokens, "ignore_eos": True}
+        self.status = 0
+        self.error: dict[str, str] = {}
+
+    def run(self) -> None:
+        response = httpx.post(self.url, json=self.body, timeout=60)
+        self.status = response.status_code
+        self.error = response.json().get("error", {})
+
+
 @pytest.mark.slow
 def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "model", max_model_len=LONG_MAX_TOKENS + 64)
@@ -91,14 +118,18 @@ def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
         long, short = _Stream(port, LONG_MAX_TOKENS), _Stream(port, 24)
         long.start()
         assert long.first_event.wait(30)
+        waiting = _Unstreamed(port, LONG_MAX_TOKENS)
+        waiting.start()
         short.start()
         assert short.first_event.wait(30)
+        _wait_for_running(port, 3)
         process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         short.join(30)
         assert (short.done, short.finish_reason, short.num_tokens) == (True, "length", 24)
         _, stderr = process.communicate(timeout=SHUTDOWN_TIMEOUT_S + 30)
         long.join(10)
+        waiting.join(10)
     finally:
         if process.poll() is None:
             process.kill()
@@ -107,4 +138,5 @@ def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
     assert long.error is None
     assert (long.done, long.finish_reason) == (True, "abort")
     assert 0 < long.num_tokens < LONG_MAX_TOKENS
+    assert waiting.status == 503 and waiting.error["type"] == "server_error"
     assert b"Traceback" not in stderr, stderr.decode()[-2000:]
