@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the server tests need the `serve` extra")
 pytest.importorskip("openai", reason="the server tests drive the server with the openai client")
 
-from server_testing import (
+from .server_testing import (
     API_KEY,
     MAX_REQUEST_BYTES,
     RunningServer,

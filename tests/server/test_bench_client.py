@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from server_testing import API_KEY, RunningServer
+
+from .server_testing import API_KEY, RunningServer
 
 pytest.importorskip("aiohttp", reason="the serving benchmark client uses aiohttp")
 

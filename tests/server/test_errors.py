@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from server_testing import MAX_REQUEST_BYTES, RunningServer, serve_in_thread
+
+from .server_testing import MAX_REQUEST_BYTES, RunningServer, serve_in_thread
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from server_testing import RunningServer
+
+from .server_testing import RunningServer
 
 NUM_CLIENTS = 64
 NUM_LEAVERS = NUM_CLIENTS // 4

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_testing import CHAT_TEMPLATE, engine_options
 
 from loopserve.sampling_params import SamplingParams
+
+from .server_testing import CHAT_TEMPLATE, engine_options
 
 PROMPTS: list[Any] = ["Hello wörld, the quick", "def add(x, y):", [5, 6, 7, 8, 9]]
 

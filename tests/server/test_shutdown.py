@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testing import write_tiny_model
+
+from .server_testing import write_tiny_model
 
 SHUTDOWN_TIMEOUT_S = 2
 LONG_MAX_TOKENS = 4000  # thousands of engine steps: cannot finish within the timeout
