@@ -111,8 +111,10 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.is_decode:
             self._plan = _Plan(metadata, True, True, splits, None, None)
             return
-        starts = metadata.query_start_host
-        tiles = build_tile_map(starts, metadata.seq_lens_host, self.prefill_tiling.block_m)
+        starts, seq_lens = metadata.query_start_host, metadata.seq_lens_host
+        if starts is None or seq_lens is None:
+            raise ValueError("a pass with prompt chunks needs the host query starts and lengths")
+        tiles = build_tile_map(starts, seq_lens, self.prefill_tiling.block_m)
         has_decode_rows = any(starts[i + 1] - starts[i] == 1 for i in range(len(starts) - 1))
         tile_tensor = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device)
         self._plan = _Plan(metadata, False, has_decode_rows, splits, tile_tensor, starts[-1])

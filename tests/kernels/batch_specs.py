@@ -12,6 +12,7 @@ should not, or fails to write one it should, produces NaN and fails the comparis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,8 +84,16 @@ class Batch:
     q: torch.Tensor  # [T, Nq, D]
     k: torch.Tensor  # [T, Nkv, D] this pass's new keys
     v: torch.Tensor  # [T, Nkv, D]
-    keys: list[torch.Tensor]  # per row, float64 [seq_len, Nkv, D] context after the pass
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor]  # per row, float64 [seq_len, Nkv, D] context after the pass,
+    values: list[torch.Tensor]  # on the batch's device
+
+    @property
+    def starts(self) -> list[int]:
+        """Host copy of query_start: row i's tokens are [starts[i], starts[i + 1])."""
+        starts = [0]
+        for row in self.rows:
+            starts.append(starts[-1] + row.query_len)
+        return starts
 
 
 def _page_tables(
@@ -112,13 +121,17 @@ def _poison(cache: torch.Tensor, table: torch.Tensor, rows: list[Row], layer: in
     used = torch.zeros(cache.shape[2], dtype=torch.bool)
     used[table.flatten().long()] = True
     used[NULL_PAGE] = False
-    cache[:, :, ~used] = float("nan")
+    cache[:, :, (~used).to(cache.device)] = float("nan")
     cache[1 - layer] = float("nan")
+    pages, offsets = [], []
     for index, row in enumerate(rows):
         end = -(-row.seq_len // block_size) * block_size  # the end of the row's last page
         for position in range(max(0, row.seq_len - row.query_len), end):
-            page = int(table[index, position // block_size])
-            cache[layer, :, page, position % block_size] = float("nan")
+            pages.append(int(table[index, position // block_size]))
+            offsets.append(position % block_size)
+    page_index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    offset_index = torch.tensor(offsets, dtype=torch.long, device=cache.device)
+    cache[layer, :, page_index, offset_index] = float("nan")
 
 
 def _slots(table: torch.Tensor, rows: list[Row], block_size: int) -> list[int]:
@@ -160,8 +173,11 @@ def build_batch(
     extra_columns: int = 2,
 ) -> Batch:
     """A pass over `rows` on layer 1 of a two-layer storage, with poisoned pages (see module)."""
-    generator = torch.Generator().manual_seed(seed)
-    table, num_pages = _page_tables(rows, block_size, extra_columns, generator)
+    device = torch.device(device)
+    table, num_pages = _page_tables(
+        rows, block_size, extra_columns, torch.Generator().manual_seed(seed)
+    )
+    generator = torch.Generator(device=device).manual_seed(seed)
     layer = 1
     kv = KVStorage(
         num_layers=2,
@@ -170,23 +186,20 @@ def build_batch(
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         dtype=shape.dtype,
-        device="cpu",
+        device=device,
     )
-    kv.cache.copy_(torch.randn(kv.cache.shape, generator=generator))
+    kv.cache.normal_(generator=generator)
     _poison(kv.cache, table, rows, layer)
     slots = _slots(table, rows, block_size)
-    tokens = len(slots)
 
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=generator).to(shape.dtype)
+    def randn(heads: int) -> torch.Tensor:
+        size = (len(slots), heads, shape.head_dim)
+        return torch.randn(size, generator=generator, device=device, dtype=shape.dtype)
 
-    q = randn(tokens, shape.num_heads, shape.head_dim)
-    k = randn(tokens, shape.num_kv_heads, shape.head_dim)
-    v = randn(tokens, shape.num_kv_heads, shape.head_dim)
-    keys, values = _dense_contexts(kv, layer, table, rows, k, v)
-    kv.cache = kv.cache.to(device)
+    q, k, v = randn(shape.num_heads), randn(shape.num_kv_heads), randn(shape.num_kv_heads)
+    keys, values = _dense_contexts(kv, layer, table.to(device), rows, k, v)
     metadata = _metadata(rows, table, slots, device)
-    return Batch(rows, kv, layer, metadata, q.to(device), k.to(device), v.to(device), keys, values)
+    return Batch(rows, kv, layer, metadata, q, k, v, keys, values)
 
 
 def _dense_contexts(
@@ -219,8 +232,8 @@ def decode_subset(batch: Batch, indices: list[int]) -> tuple[AttentionMetadata, 
     """Metadata of the one-token rows `indices` alone (same pages), and their token indices."""
     metadata = batch.metadata
     assert all(batch.rows[i].query_len == 1 for i in indices)
-    tokens = [metadata.query_start_host[i] for i in indices]
-    seq_lens = [metadata.seq_lens_host[i] for i in indices]
+    tokens = [batch.starts[i] for i in indices]
+    seq_lens = [batch.rows[i].seq_len for i in indices]
     width = max(1, max(-(-length // batch.kv.block_size) for length in seq_lens))
     device = metadata.seq_lens.device
     subset = AttentionMetadata(
@@ -237,10 +250,10 @@ def decode_subset(batch: Batch, indices: list[int]) -> tuple[AttentionMetadata, 
 
 
 def dense_reference(batch: Batch) -> torch.Tensor:
-    """float64 [T, Nq, D]: causal softmax attention of every query over its dense context."""
-    q = batch.q.double().cpu()
+    """float64 [T, Nq, D] on the CPU: causal softmax attention of every query over its context."""
+    q = batch.q.double()
     out = torch.zeros_like(q)
-    starts = batch.metadata.query_start_host
+    starts = batch.starts
     scale = q.shape[-1] ** -0.5
     for index, row in enumerate(batch.rows):
         if row.seq_len == 0:
@@ -250,14 +263,14 @@ def dense_reference(batch: Batch) -> torch.Tensor:
         values = batch.values[index].repeat_interleave(group, dim=1)
         queries = q[starts[index] : starts[index + 1]]  # [Q, Nq, D]
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
-        positions = torch.arange(row.seq_len - row.query_len, row.seq_len)
-        hidden = torch.arange(row.seq_len)[None, :] > positions[:, None]  # [Q, C]
+        positions = torch.arange(row.seq_len - row.query_len, row.seq_len, device=q.device)
+        hidden = torch.arange(row.seq_len, device=q.device)[None, :] > positions[:, None]  # [Q, C]
         weights = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[starts[index] : starts[index + 1]] = torch.einsum("hqk,khd->qhd", weights, values)
-    return out
+    return out.cpu()
 
 
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
+def tolerance(dtype: torch.dtype) -> dict[str, Any]:
     """assert_close tolerances against the float64 reference."""
     if dtype == torch.float32:
         return {"rtol": 1e-5, "atol": 1e-5}

@@ -22,7 +22,8 @@ def _prefill(batch: Batch, tiling: PrefillTiling) -> torch.Tensor:
     """Prefill output [T, Nq, D] into a NaN-poisoned out; rows of query length 1 stay NaN."""
     reference_write_kv(batch.kv, batch.layer, batch.k, batch.v, batch.metadata.slot_mapping)
     metadata = batch.metadata
-    tiles = build_tile_map(metadata.query_start_host, metadata.seq_lens_host, tiling.block_m)
+    seq_lens = [row.seq_len for row in batch.rows]
+    tiles = build_tile_map(batch.starts, seq_lens, tiling.block_m)
     tile_tensor = torch.tensor(tiles, dtype=torch.int32, device=batch.q.device).reshape(-1, 2)
     out = torch.full_like(batch.q, float("nan"))
     paged_prefill_attention(
@@ -40,7 +41,7 @@ def _prefill(batch: Batch, tiling: PrefillTiling) -> torch.Tensor:
 
 def _check(batch: Batch, out: torch.Tensor, dtype: torch.dtype) -> None:
     expected = dense_reference(batch)
-    starts = batch.metadata.query_start_host
+    starts = batch.starts
     for index, row in enumerate(batch.rows):
         rows = slice(starts[index], starts[index + 1])
         if row.query_len > 1:

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -62,8 +63,12 @@ def _without_null_page(cache: torch.Tensor) -> torch.Tensor:
     return cache[:, :, keep]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("spec", sorted(SPECS))
+# Every spec in fp32; in bf16 the specs that mix decode, padding and prompt rows.
+BF16_SPECS = ("padding_rows", "planes", "packed_mixed", "shared_prefix_chunks", "tiny_segments")
+CASES = [(spec, SHAPES[0]) for spec in sorted(SPECS)] + [(spec, SHAPES[1]) for spec in BF16_SPECS]
+
+
+@pytest.mark.parametrize(("spec", "shape"), CASES, ids=[f"{s}-{h}" for s, h in CASES])
 def test_backend_matches_torch_backend(spec: str, shape: HeadShape, device: torch.device) -> None:
     batch = build_batch(SPECS[spec], shape, device, seed=3)
     before = batch.kv.cache.clone()
@@ -110,14 +115,31 @@ def test_forward_allocates_its_output(spec: str, device: torch.device) -> None:
     torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
 
 
+def test_decode_needs_no_host_lengths(device: torch.device) -> None:
+    """The device-resident (graph-captured) decode step passes no host copies."""
+    shape = SHAPES[0]
+    batch = build_batch(DECODE_SPECS["padding_rows"], shape, device)
+    batch.metadata.query_start_host = None
+    batch.metadata.seq_lens_host = None
+    out = _run_triton(batch, TritonAttentionBackend(_spec(shape, device.type)))
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
+    prompt = build_batch(PREFILL_SPECS["packed_mixed"], shape, device)
+    prompt.metadata.seq_lens_host = None
+    with pytest.raises(ValueError, match="host"):
+        _run_triton(prompt, TritonAttentionBackend(_spec(shape, device.type)))
+
+
 def test_prepare_builds_the_tile_map_once_per_metadata(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
     original = paged_prefill.build_tile_map
-    monkeypatch.setattr(
-        paged_prefill, "build_tile_map", lambda *args: calls.append(args) or original(*args)
-    )
+
+    def counting(*args: Any) -> list[tuple[int, int]]:
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(paged_prefill, "build_tile_map", counting)
     shape = SHAPES[0]
     batch = build_batch(PREFILL_SPECS["packed_mixed"], shape, device)
     backend = TritonAttentionBackend(_spec(shape, device.type))

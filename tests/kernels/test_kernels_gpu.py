@@ -1,0 +1,174 @@
+"""Realistic sizes on a CUDA GPU: Ouro's shape (16 heads, 16 KV heads, head dim 128, bf16), block
+16, contexts up to 8K tokens over thousands of permuted pages; other head sizes, GQA and dtypes;
+batch invariance across programs-per-row; CUDA graph replay with new lengths and page tables.
+
+Run with `pytest -m gpu tests/kernels` on a GPU machine (deselected by default).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve.attention.base import AttentionSpec
+from loopserve.attention.metadata import AttentionMetadata
+from loopserve.attention.torch_backend import TorchAttentionBackend
+from loopserve.attention.triton_backend import TritonAttentionBackend
+
+from .batch_specs import (
+    Batch,
+    HeadShape,
+    Row,
+    build_batch,
+    decode_subset,
+    dense_reference,
+    tolerance,
+)
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+OURO = HeadShape(16, 16, 128, torch.bfloat16)
+BLOCK = 16
+DECODE_ROWS = [Row(n) for n in (8192, 1, 0, 4097, 16, 2500, 8000, 777, 4096, 33, 0, 6001)]
+PREFILL_ROWS = [
+    Row(1024, query_len=1024),  # a whole prompt
+    Row(4608, query_len=512),  # a chunk after 4096 tokens already in pages
+    Row(300),
+    Row(7200, query_len=200),
+    Row(0),
+    Row(17, query_len=17),
+    Row(8000),
+]
+MODERATE_ROWS = [Row(700, query_len=300), Row(1500), Row(0), Row(64, query_len=64), Row(2049)]
+
+
+def _backend(shape: HeadShape) -> TritonAttentionBackend:
+    spec = AttentionSpec(
+        device_type="cuda",
+        compute_capability=torch.cuda.get_device_capability(),
+        dtype=shape.dtype,
+        head_size=shape.head_dim,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        block_size=BLOCK,
+        cuda_graphs=True,
+    )
+    assert TritonAttentionBackend.unsupported_reasons(spec) == []
+    return TritonAttentionBackend(spec)
+
+
+def _run(
+    backend: TritonAttentionBackend,
+    batch: Batch,
+    metadata: AttentionMetadata | None = None,
+    tokens: list[int] | None = None,
+) -> torch.Tensor:
+    """The backend's output for the batch (or a subset's metadata and tokens), poisoned first."""
+    metadata = metadata or batch.metadata
+    q, k, v = batch.q, batch.k, batch.v
+    if tokens is not None:
+        q, k, v = q[tokens], k[tokens], v[tokens]
+    out = torch.full_like(q, float("nan"))
+    backend.forward_into(q, k, v, batch.kv, batch.layer, metadata, out)
+    torch.cuda.synchronize()
+    return out
+
+
+def _check_against_references(batch: Batch, out: torch.Tensor, shape: HeadShape) -> None:
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
+    spec = _backend(shape).spec
+    expected = TorchAttentionBackend(spec).forward(
+        batch.q, batch.k, batch.v, batch.kv, batch.layer, batch.metadata
+    )
+    torch.testing.assert_close(out, expected, **tolerance(shape.dtype))
+
+
+@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
+def test_ouro_shape(rows: list[Row]) -> None:
+    batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=1)
+    assert batch.kv.num_pages > 128
+    out = _run(_backend(OURO), batch)
+    _check_against_references(batch, out, OURO)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        HeadShape(8, 8, 64, torch.bfloat16),
+        HeadShape(8, 8, 80, torch.bfloat16),
+        HeadShape(8, 8, 96, torch.bfloat16),
+        HeadShape(8, 8, 256, torch.bfloat16),
+        HeadShape(4, 4, 32, torch.bfloat16),
+        HeadShape(32, 8, 128, torch.bfloat16),  # GQA, group 4
+        HeadShape(12, 2, 128, torch.bfloat16),  # GQA, group 6 (padded heads per program)
+        HeadShape(16, 16, 128, torch.float16),
+        HeadShape(16, 16, 128, torch.float32),
+    ],
+    ids=str,
+)
+def test_other_shapes(shape: HeadShape) -> None:
+    batch = build_batch(MODERATE_ROWS, shape, DEVICE, block_size=BLOCK, seed=2)
+    out = _run(_backend(shape), batch)
+    _check_against_references(batch, out, shape)
+
+
+def test_decode_is_batch_invariant_at_scale() -> None:
+    """Rows alone (many programs per row) and in a 48-row batch (one) give the same bits."""
+    lengths = torch.randint(1, 8193, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = build_batch([Row(n) for n in lengths], OURO, DEVICE, block_size=BLOCK, seed=3)
+    backend = _backend(OURO)
+    together = _run(backend, batch)
+    for index in (0, 7, 31, 47):
+        metadata, tokens = decode_subset(batch, [index])
+        alone = _run(backend, batch, metadata, tokens)
+        assert torch.equal(together[tokens], alone), f"row {index} ({lengths[index]} tokens)"
+    torch.testing.assert_close(
+        together.double().cpu(), dense_reference(batch), **tolerance(OURO.dtype)
+    )
+
+
+def _replayable(batch: Batch, order: list[int], lengths: list[int]) -> AttentionMetadata:
+    """Decode metadata over `batch`'s pages with rows permuted and lengths changed."""
+    table = batch.metadata.page_table[order]
+    positions = torch.tensor([max(n, 1) - 1 for n in lengths], device=DEVICE)
+    rows = torch.arange(len(order), device=DEVICE)
+    pages = table[rows, positions // BLOCK].long()
+    slots = torch.where(
+        torch.tensor(lengths, device=DEVICE) > 0, pages * BLOCK + positions % BLOCK, 0
+    )
+    return AttentionMetadata(
+        query_start=torch.arange(len(order) + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+        page_table=table,
+        slot_mapping=slots,
+        max_query_len=1,
+        max_seq_len=max(lengths),
+        query_start_host=list(range(len(order) + 1)),
+        seq_lens_host=lengths,
+    )
+
+
+def test_cuda_graph_replay_reads_new_lengths_and_pages() -> None:
+    rows = [Row(n) for n in (8000, 3000, 17, 0, 1, 4096, 640, 2)]
+    batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=4)
+    backend = _backend(OURO)
+    static = _replayable(batch, list(range(len(rows))), [row.seq_len for row in rows])
+    out = torch.empty_like(batch.q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside the capture
+        backend.forward_into(batch.q, batch.k, batch.v, batch.kv, batch.layer, static, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward_into(batch.q, batch.k, batch.v, batch.kv, batch.layer, static, out)
+    replay = _replayable(batch, [5, 0, 3, 1, 7, 2, 6, 4], [4000, 7999, 0, 2900, 1, 16, 600, 1])
+    for name in ("seq_lens", "page_table", "slot_mapping"):
+        getattr(static, name).copy_(getattr(replay, name))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _run(_backend(OURO), batch, replay)
+    assert torch.equal(out, eager)
+    assert not out.isnan().any()
