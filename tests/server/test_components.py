@@ -240,6 +240,14 @@ def test_request_validation_names_the_field() -> None:
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}], "x": 1},
     )
     assert request.messages[0].text() == "a"  # unknown fields are ignored, as in vLLM
+    nulls = {"temperature": None, "n": None, "stop": None, "max_tokens": None, "stream": None}
+    request = parse_request(ChatCompletionRequest, {"messages": [{"role": "user"}], **nulls})
+    assert (request.temperature, request.n, request.stop_strings, request.stream) == (
+        1.0,
+        1,
+        (),
+        False,
+    )
 
 
 def test_optional_dependencies_load_lazily() -> None:

@@ -66,6 +66,14 @@ class GenerationFields(_Model):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        """Clients send `null` for "not set" (OpenAI allows it): the default applies."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
     @model_validator(mode="after")
     def _check_stream_options(self) -> GenerationFields:
         if self.stream_options is not None and not self.stream:
