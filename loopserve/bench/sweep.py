@@ -69,10 +69,7 @@ class SweepRunner:
         for index, spec in enumerate(specs):
             if self._out_of_time(specs[index:]):
                 break
-            built = self.pool.open([spec.variant.engine_key])[spec.variant.engine_key]
-            self._warm_up(built, spec)
-            trials = [self._trial(built, spec, trial) for trial in range(spec.trials)]
-            results.append(self._finish(built, spec, trials, order=None))
+            results.append(self._run_spec(spec))
         return results
 
     def run_ab(self, specs: list[RunSpec]) -> list[SpecResult]:
@@ -80,27 +77,38 @@ class SweepRunner:
         points: dict[Point, list[RunSpec]] = {}
         for spec in specs:
             points.setdefault(spec.point, []).append(spec)
+        groups = list(points.values())
         results: list[SpecResult] = []
-        remaining = list(specs)
-        for group in points.values():
-            if self._out_of_time(remaining):
+        for index, group in enumerate(groups):
+            if self._out_of_time([spec for later in groups[index:] for spec in later]):
                 break
-            remaining = remaining[len(group) :]
-            engines = self.pool.open([spec.variant.engine_key for spec in group])
-            for spec in group:
-                self._warm_up(engines[spec.variant.engine_key], spec)
-            trials: dict[int, list[dict[str, Figure]]] = {index: [] for index in range(len(group))}
-            order: list[str] = []
-            for trial in range(max(spec.trials for spec in group)):
-                forward = list(enumerate(group))
-                for index, spec in forward if trial % 2 == 0 else reversed(forward):
-                    built = engines[spec.variant.engine_key]
-                    trials[index].append(self._trial(built, spec, trial))
-                    order.append(chr(ord("A") + index))
-            for index, spec in enumerate(group):
-                built = engines[spec.variant.engine_key]
-                results.append(self._finish(built, spec, trials[index], order="".join(order)))
+            results += self._run_alternating(group)
         return results
+
+    # Engines are only ever held by the pool and by the locals of the two methods below, so that
+    # the pool can free an engine's device memory before it builds the next one.
+
+    def _run_spec(self, spec: RunSpec) -> SpecResult:
+        built = self.pool.open([spec.variant.engine_key])[spec.variant.engine_key]
+        self._warm_up(built, spec)
+        trials = [self._trial(built, spec, trial) for trial in range(spec.trials)]
+        return self._finish(built, spec, trials, order=None)
+
+    def _run_alternating(self, group: list[RunSpec]) -> list[SpecResult]:
+        engines = self.pool.open([spec.variant.engine_key for spec in group])
+        for spec in group:
+            self._warm_up(engines[spec.variant.engine_key], spec)
+        trials: list[list[dict[str, Figure]]] = [[] for _ in group]
+        order: list[str] = []
+        for trial in range(max(spec.trials for spec in group)):
+            forward = list(enumerate(group))
+            for index, spec in forward if trial % 2 == 0 else reversed(forward):
+                trials[index].append(self._trial(engines[spec.variant.engine_key], spec, trial))
+                order.append(chr(ord("A") + index))
+        return [
+            self._finish(engines[spec.variant.engine_key], spec, trials[index], "".join(order))
+            for index, spec in enumerate(group)
+        ]
 
     # ----- one spec ------------------------------------------------------------------------
 
