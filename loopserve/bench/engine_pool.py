@@ -42,6 +42,7 @@ class EngineSettings:
     max_num_seqs: int
     max_num_batched_tokens: int
     prefill_chunk_size: int
+    max_model_len: int | None  # None: the model's max_position_embeddings
     gpu_memory_utilization: float  # split evenly between engines that are alive together
     num_kv_pages: int | None  # None: sized from memory
     seed: int
@@ -68,6 +69,7 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefill_chunk_size=settings.prefill_chunk_size,
+        max_model_len=settings.max_model_len,
         scheduling=key.scheduling,
         exit_mode="trace",
         trace_distribution=D2_6,

@@ -39,6 +39,8 @@ from loopserve.bench.sweep_spec import (
 if TYPE_CHECKING:
     import torch
 
+    from loopserve.bench.engine_pool import EngineSettings
+
 SWEEP_FLAGS = ("workload", "concurrency", "exits", "scheduling", "graphs", "trials")
 
 
@@ -99,6 +101,7 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
         "--max-num-batched-tokens", type=int, default=None, help="default: max(2048, max-num-seqs)"
     )
     group.add_argument("--prefill-chunk-size", type=int, default=512)
+    group.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument(
         "--num-kv-pages", type=int, default=None, help="exact KV pages (default: sized from memory)"
@@ -208,8 +211,7 @@ def _measure(
 ) -> list[SpecResult]:
     from loopserve.bench.calibration import measure_ceilings
     from loopserve.bench.checkpoint_cache import ensure_random_checkpoint
-    from loopserve.bench.engine_pool import EnginePool, EngineSettings
-    from loopserve.bench.provenance import describe
+    from loopserve.bench.engine_pool import EnginePool
     from loopserve.bench.sweep import SweepRunner
     from loopserve.models.loader import resolve_dtype
 
@@ -219,8 +221,29 @@ def _measure(
     )
     _say(f"measuring copy bandwidth and matmul FLOP/s on {device} ...")
     ceilings = measure_ceilings(device, resolve_dtype(dtype_name))
+    base = _base_record(args, device, model)
+    pool = EnginePool(_engine_settings(args, plan, device, model))
+    runner = SweepRunner(
+        pool,
+        ceilings,
+        lambda record: sink.emit(base | record),
+        workloads=sorted({spec.point.workload for spec in plan.specs}),
+        temperature=args.temperature,
+        seed=args.seed,
+        deadline=None if plan.time_budget_s is None else started + plan.time_budget_s,
+    )
+    try:
+        return runner.run_ab(plan.specs) if args.ab else runner.run(plan.specs)
+    finally:
+        pool.close()
+
+
+def _base_record(args: argparse.Namespace, device: torch.device, model: str) -> Record:
+    """What every record of this run shares: provenance and the run's mode."""
+    from loopserve.bench.provenance import describe
+
     provenance = describe(device)
-    base: Record = {
+    return {
         "bench": "offline",
         "git_sha": provenance.git_sha,
         "git_dirty": provenance.git_dirty,
@@ -231,8 +254,15 @@ def _measure(
         "preset": args.preset,
         "ab": args.ab,
     }
+
+
+def _engine_settings(
+    args: argparse.Namespace, plan: Plan, device: torch.device, model: str
+) -> EngineSettings:
+    from loopserve.bench.engine_pool import EngineSettings
+
     max_seqs = args.max_num_seqs or max(spec.point.concurrency for spec in plan.specs)
-    settings = EngineSettings(
+    return EngineSettings(
         model=model,
         device=str(device),
         dtype=args.dtype,
@@ -240,26 +270,12 @@ def _measure(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max_seqs),
         prefill_chunk_size=args.prefill_chunk_size,
+        max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_pages=args.num_kv_pages,
         seed=args.seed,
         decode_mode=args.decode_mode,
     )
-    pool = EnginePool(settings)
-    deadline = None if plan.time_budget_s is None else started + plan.time_budget_s
-    runner = SweepRunner(
-        pool,
-        ceilings,
-        lambda record: sink.emit(base | record),
-        workloads=sorted({spec.point.workload for spec in plan.specs}),
-        temperature=args.temperature,
-        seed=args.seed,
-        deadline=deadline,
-    )
-    try:
-        return runner.run_ab(plan.specs) if args.ab else runner.run(plan.specs)
-    finally:
-        pool.close()
 
 
 def _report(args: argparse.Namespace, results: list[SpecResult]) -> None:

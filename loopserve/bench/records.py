@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loopserve.bench.engine_pool import BuiltEngine
 from loopserve.bench.floor import FLOOR_METHOD, Ceilings, ModelBytes, per_token_floor_s
 from loopserve.bench.sweep_spec import RunSpec, Workload
 from loopserve.engine.trace import D2_6
+
+if TYPE_CHECKING:
+    from loopserve.bench.engine_pool import BuiltEngine
 
 Record = dict[str, Any]
 
@@ -57,6 +59,7 @@ def engine_fields(built: BuiltEngine) -> Record:
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "prefill_chunk_size": config.prefill_chunk_size,
+        "max_model_len": runtime.max_model_len,
         "decode_on_device": config.decode_on_device(),
         "async_scheduling": config.async_scheduling,
         "cuda_graphs_active": built.engine.runner.graphs is not None,
