@@ -7,7 +7,8 @@ torch, or judge a figure (the summary compares; nothing here asserts speed).
 Definitions (milliseconds for latencies): TTFT = first token − arrival (arrival is the
 `add_request` call); TPOT = (E2E − TTFT) / (n − 1) per request with n ≥ 2 tokens; ITL = gaps
 between consecutive tokens of a request, pooled; E2E = last token − arrival. Percentiles
-interpolate linearly (numpy's default, as `vllm bench` does).
+interpolate linearly (numpy's default, as `vllm bench` does). `decode_floor_ms_per_token` is the
+decode floor over the tokens after the first: at C = 1 it is the floor of TPOT.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ FIGURES = (
     "floor_s",
     "floor_decode_s",
     "floor_prefill_s",
+    "decode_floor_ms_per_token",
     "duration_s",
     "output_tokens",
     "prompt_tokens",
@@ -101,6 +103,9 @@ def trial_figures(trial: TrialRecord, model: ModelBytes, ceilings: Ceilings) -> 
         "floor_s": floor.total_s,
         "floor_decode_s": floor.decode_s,
         "floor_prefill_s": floor.prefill_s,
+        "decode_floor_ms_per_token": (
+            1000.0 * floor.decode_s / len(decode_depths) if decode_depths else None
+        ),
         "duration_s": trial.duration_s,
         "output_tokens": output_tokens,
         "prompt_tokens": prompt_tokens,

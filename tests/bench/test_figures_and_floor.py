@@ -61,6 +61,7 @@ def test_trial_figures_by_hand() -> None:
     assert figures["occupancy"] == pytest.approx(1.5)  # 6 row-loops in 4 decode steps
     assert figures["lm_head_steps"] == 4  # stamps 0.1, 0.3, 0.4, 0.5
     assert figures["floor_ratio"] == pytest.approx(2.871 / 10.0)
+    assert figures["decode_floor_ms_per_token"] == pytest.approx(1000 * 0.471 / 3)
     assert figures["peak_gpu_memory_gib"] is None
 
 

@@ -88,7 +88,7 @@ def test_summary_ratios_and_issue3_targets() -> None:
         _result(Variant("fixed", "refill", True, "full"), 32, (99, 100, 101), mean_exit_depth=4.0),
         _result(Variant("d2.6", "no_refill", True, "full"), 32, (119, 120, 121)),
         _result(Variant("fixed", "refill", True, "full"), 1, (320, 322, 324),
-                floor_ratio=0.8, tpot_p50_ms=3.0),
+                decode_floor_ms_per_token=2.4, tpot_p50_ms=3.0),
         _result(Variant("fixed", "refill", False, "full"), 1, (99, 100, 101)),
         _result(Variant("fixed", "refill", True, "full"), 1, (300, 300, 300),
                 workload=Workload(1024, 128), ttft_p50_ms=45.0),
@@ -100,6 +100,7 @@ def test_summary_ratios_and_issue3_targets() -> None:
     targets = issue3_targets(results)
     assert len(targets) == 4
     assert targets[0].startswith("- **met** C=1 fixed depth 4")
+    assert "decode floor of 2.40 ms/token = 80.0 %" in targets[0]
     assert targets[1].startswith("- **met** C=32 trace d2.6 refill")
     assert targets[2].startswith("- **met** C=1 graphs ≥ 2.5× eager")
     assert targets[3].startswith("- **missed** TTFT of one 1024-token prompt")
