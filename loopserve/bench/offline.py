@@ -145,6 +145,10 @@ def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | N
             )
         preset = PRESETS[args.preset](layouts[0])
         budget = args.time_budget if args.time_budget is not None else preset.time_budget_s
+        _say(
+            f"preset {args.preset}: {preset.description}; {len(preset.specs)} configurations, "
+            f"time budget {budget:.0f} s"
+        )
         return preset.specs, budget
     variants = [
         Variant(exits, scheduling, graphs == "on", layout)
