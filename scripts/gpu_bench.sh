@@ -29,7 +29,7 @@ mkdir -p "$OUT"
 LOG="$OUT/bench.log"
 
 loopserve() {
-  "$PYTHON" -c 'import sys; from loopserve.entrypoints.cli import main; sys.exit(main())' "$@"
+  "$PYTHON" -m loopserve.entrypoints.cli "$@"
 }
 
 {
