@@ -96,7 +96,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         from loopserve.kernels.paged_decode import split_programs
-        from loopserve.kernels.paged_prefill import build_tile_map
 
         rows = metadata.seq_lens.shape[0]
         device = metadata.seq_lens.device
@@ -114,10 +113,21 @@ class TritonAttentionBackend(AttentionBackend):
         starts, seq_lens = metadata.query_start_host, metadata.seq_lens_host
         if starts is None or seq_lens is None:
             raise ValueError("a pass with prompt chunks needs the host query starts and lengths")
-        tiles = build_tile_map(starts, seq_lens, self.prefill_tiling.block_m)
         has_decode_rows = any(starts[i + 1] - starts[i] == 1 for i in range(len(starts) - 1))
-        tile_tensor = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device)
-        self._plan = _Plan(metadata, False, has_decode_rows, splits, tile_tensor, starts[-1])
+        tiles = self._prefill_tiles(starts, seq_lens, device)
+        self._plan = _Plan(metadata, False, has_decode_rows, splits, tiles, starts[-1])
+
+    def _prefill_tiles(
+        self, starts: list[int], seq_lens: list[int], device: torch.device
+    ) -> torch.Tensor:
+        """[tiles, 2] int32 (sequence, first query) on `device`, copied without a host sync."""
+        from loopserve.kernels.paged_prefill import build_tile_map
+
+        tiles = build_tile_map(starts, seq_lens, self.prefill_tiling.block_m)
+        host_tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2)
+        if device.type == "cuda":  # pinned, so the copy is asynchronous
+            host_tiles = host_tiles.pin_memory()
+        return host_tiles.to(device, non_blocking=True)
 
     def forward(
         self,

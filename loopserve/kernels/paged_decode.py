@@ -60,9 +60,10 @@ class DecodeTiling:
     def for_shape(group: int, head_dim: int) -> DecodeTiling:
         heads = min(8, triton.next_power_of_2(group))
         block_d = triton.next_power_of_2(head_dim)
-        # Keep the [heads, tokens, dims] product tile near 8K fp32 values (64 per thread).
+        # Keep the [heads, tokens, dims] product tile near 64 fp32 values per thread.
         block_n = max(16, min(64, 8192 // (heads * block_d)))
-        return DecodeTiling(heads_per_program=heads, block_n=block_n)
+        num_warps = 4 if heads * block_n * block_d <= 8192 else 8
+        return DecodeTiling(heads_per_program=heads, block_n=block_n, num_warps=num_warps)
 
     def head_programs(self, num_heads: int, num_kv_heads: int) -> int:
         """Programs per row on the head axis; each covers `heads_per_program` heads of a group."""
@@ -138,13 +139,13 @@ def _attend_partition(
         offsets = kv_head_offset + rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
         mask = valid[:, None] & dim_valid[None, :]
         k = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # in flight with k
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [H, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         alpha = tl.exp2(running_max - new_max)
         p = tl.exp2(scores - new_max[:, None])  # [H, BLOCK_N]
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         running_max = new_max
     return running_max, running_sum, acc
