@@ -63,6 +63,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Device decode: prepare and launch step n + 1 before reading step n's results.
     async_scheduling: bool = True
+    # CUDA: run norms, RoPE and SiLU as fused Triton kernels when triton is installed (one launch
+    # each instead of several torch ops); False keeps the torch ops everywhere.
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_mode not in DECODE_MODES:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopserve.models.ops import ModelOps, TorchOps
 from loopserve.models.ouro_config import OuroConfig
 
 # (layer index, q [T, Nq, D], k [T, Nkv, D], v [T, Nkv, D]) -> attention output [T, Nq, D]
@@ -64,49 +66,90 @@ class RotaryEmbedding:
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
 class Attention(nn.Module):
+    """Self-attention with separate q/k/v projections (as in the checkpoint) or, after
+    `fuse_projections`, one qkv projection (one matmul instead of three)."""
+
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj: nn.Linear | None = nn.Linear(hidden, self.q_size, bias=False)
+        self.k_proj: nn.Linear | None = nn.Linear(hidden, self.kv_size, bias=False)
+        self.v_proj: nn.Linear | None = nn.Linear(hidden, self.kv_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, layer_index: int, ctx: LoopContext) -> torch.Tensor:
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def fuse_projections(self) -> None:
+        assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        self.q_proj = self.k_proj = self.v_proj = None
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, Nq, D], k/v [T, Nkv, D] (views of one matmul when fused)."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, ctx.cos, ctx.sin)
-        k = apply_rotary(k, ctx.cos, ctx.sin)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (
+            q.view(tokens, self.num_heads, self.head_dim),
+            k.view(tokens, self.num_kv_heads, self.head_dim),
+            v.view(tokens, self.num_kv_heads, self.head_dim),
+        )
+
+    def forward(
+        self, x: torch.Tensor, layer_index: int, ctx: LoopContext, ops: ModelOps
+    ) -> torch.Tensor:
+        q, k, v = self._project(x)
+        q, k = ops.rotary(q, k, ctx.cos, ctx.sin)
         out = ctx.attention(layer_index, q, k, v)  # [T, Nq, D]
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
+    """SwiGLU; gate and up become one matmul after `fuse_projections`."""
+
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.inner = inner
+        self.gate_proj: nn.Linear | None = nn.Linear(hidden, inner, bias=False)
+        self.up_proj: nn.Linear | None = nn.Linear(hidden, inner, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse_projections(self) -> None:
+        assert self.gate_proj is not None and self.up_proj is not None
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        self.gate_proj = self.up_proj = None
+
+    def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split([self.inner, self.inner], dim=-1)
+        else:
+            assert self.gate_proj is not None and self.up_proj is not None
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.silu_mul(gate, up))
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One bias-free linear whose output is the parts' outputs side by side."""
+    weight = torch.cat([part.weight for part in parts], dim=0)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -123,10 +166,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), self.layer_index, ctx)
-        h = x + self.input_layernorm_2(attended)
-        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+    def forward(
+        self,
+        x: torch.Tensor,
+        x_normed: torch.Tensor,
+        next_norm: RMSNorm,
+        ctx: LoopContext,
+        ops: ModelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, N1(x)) -> (y, next_norm(y)). The norm that follows a residual add is fused with
+        it: the next layer's N1, or the final norm after the last layer."""
+        attended = self.self_attn(x_normed, self.layer_index, ctx, ops)
+        h, h_normed = ops.add_norm(
+            attended, x, self.input_layernorm_2, self.post_attention_layernorm
+        )
+        return ops.add_norm(self.mlp(h_normed, ops), h, self.post_attention_layernorm_2, next_norm)
 
 
 class OuroBody(nn.Module):
@@ -157,6 +211,18 @@ class OuroForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # How norms, RoPE and SiLU run: torch ops, or fused kernels (set by the runner on CUDA).
+        self.ops: ModelOps = TorchOps()
+
+    def fuse_projections(self) -> None:
+        """Inference: q/k/v and gate/up each become one matmul (frees the separate weights)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.model.layers))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -172,9 +238,13 @@ class OuroForCausalLM(nn.Module):
 
     def run_loop(self, hidden: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """One loop: every layer, then the final norm. hidden [T, H] -> normalised [T, H]."""
-        for layer in self.model.layers:
-            hidden = layer(hidden, ctx)
-        return self.model.norm(hidden)
+        layers = self.layers
+        normed = self.ops.rms_norm(hidden, layers[0].input_layernorm)
+        for index, layer in enumerate(layers):
+            last = index + 1 == len(layers)
+            next_norm = self.model.norm if last else layers[index + 1].input_layernorm
+            hidden, normed = layer(hidden, normed, next_norm, ctx, self.ops)
+        return normed
 
     def exit_probability(self, hidden: torch.Tensor) -> torch.Tensor:
         """The per-loop exit hazard λ = sigmoid(gate(h)) in fp32. hidden [T, H] -> [T]."""

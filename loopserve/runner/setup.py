@@ -7,6 +7,7 @@ as an `EngineRuntime`.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from loopserve.config import EngineConfig
 from loopserve.engine.kv_manager import pages_for
 from loopserve.engine.scheduler_output import SamplingInfo
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
+from loopserve.models.ops import TritonOps
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.block_tables import BlockTables
@@ -54,14 +56,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> OuroForCausalLM:
+    """Weights on the device, projections fused, and the layer ops chosen for the device."""
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if device.type == "cuda" else "float32"
     dtype = resolve_dtype(dtype_name)
     if config.load_format == "dummy":
         model_config = OuroConfig.from_file(model_dir / "config.json")
-        return dummy_model(model_config, dtype, device, seed=config.seed)
-    return load_checkpoint(model_dir, dtype, device)
+        model = dummy_model(model_config, dtype, device, seed=config.seed)
+    else:
+        model = load_checkpoint(model_dir, dtype, device)
+    model.fuse_projections()
+    use_triton = importlib.util.find_spec("triton") is not None
+    if device.type == "cuda" and config.fused_kernels and use_triton:
+        model.ops = TritonOps()
+    logger.info("layer ops: %s", type(model.ops).__name__)
+    return model
 
 
 # Kept free on the GPU for CUDA graph pools, kernel workspaces and allocator fragmentation.

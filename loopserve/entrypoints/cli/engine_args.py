@@ -25,6 +25,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--prefill-chunk-size", type=int, default=512)
     group.add_argument("--engine-seed", type=int, default=0, help="seed of the engine itself")
+    group.add_argument("--decode-mode", default="auto", choices=["auto", "host", "device"])
+    group.add_argument(
+        "--no-cuda-graphs", action="store_true", help="run the device decode step eagerly"
+    )
+    group.add_argument(
+        "--no-async-scheduling", action="store_true", help="read each step back before the next"
+    )
+    group.add_argument(
+        "--no-fused-kernels", action="store_true", help="torch ops instead of fused Triton kernels"
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -46,4 +56,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "prefill_chunk_size": args.prefill_chunk_size,
         "seed": args.engine_seed,
+        "decode_mode": args.decode_mode,
+        "cuda_graphs": not args.no_cuda_graphs,
+        "async_scheduling": not args.no_async_scheduling,
+        "fused_kernels": not args.no_fused_kernels,
     }

@@ -1,0 +1,169 @@
+"""Triton kernels for the elementwise and row-wise parts of a layer, each one launch.
+
+Owns: RMSNorm, residual-add + two RMSNorms, rotate-half RoPE (in place) and SiLU(gate) * up.
+Must not: change the math of the torch ops they replace. Every kernel computes in fp32 and rounds
+to the tensor dtype exactly where the torch code rounds (after the normalisation, after each
+product, after the sum), so in bf16 the results follow the HF rounding order; a row is always
+reduced by one program in one order, so results do not depend on the batch.
+
+Shapes: T rows (tokens), H hidden size, I intermediate size, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normalise(x, weight, mask, size, eps, DTYPE: tl.constexpr):
+    """w * cast(x * rsqrt(mean(x^2) + eps)) with the HF rounding; x, weight fp32 [BLOCK]."""
+    x = tl.where(mask, x, 0.0)
+    variance = tl.sum(x * x, axis=0) / size
+    normalised = (x * tl.rsqrt(variance + eps)).to(DTYPE).to(tl.float32)
+    return (weight * normalised).to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, weight_ptr, out_ptr, stride_x, stride_out, size, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _normalise(x, weight, mask, size, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+@triton.jit
+def _add_norm_kernel(
+    update_ptr,  # [T, H] the sublayer output
+    residual_ptr,  # [T, H]
+    update_weight_ptr,
+    out_weight_ptr,
+    sum_ptr,  # [T, H] residual + norm_u(update)
+    normed_ptr,  # [T, H] norm_o(sum)
+    stride_update,
+    stride_residual,
+    size,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    dtype = sum_ptr.dtype.element_ty
+    update = tl.load(update_ptr + row * stride_update + cols, mask=mask, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+    update_weight = tl.load(update_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out_weight = tl.load(out_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed_update = _normalise(update, update_weight, mask, size, eps, dtype).to(tl.float32)
+    total = (residual.to(tl.float32) + normed_update).to(dtype)
+    tl.store(sum_ptr + row * size + cols, total, mask=mask)
+    normed = _normalise(total.to(tl.float32), out_weight, mask, size, eps, dtype)
+    tl.store(normed_ptr + row * size + cols, normed, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,  # [T, heads, D], rotated in place
+    cos_ptr,  # [T, D]
+    sin_ptr,
+    stride_token,
+    stride_head,
+    stride_angle,
+    heads,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.arange(0, BLOCK_HEADS)[:, None]
+    dim = tl.arange(0, HALF)[None, :]
+    mask = head < heads
+    dtype = x_ptr.dtype.element_ty
+    base = x_ptr + token * stride_token + head * stride_head
+    first = tl.load(base + dim, mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(base + HALF + dim, mask=mask, other=0.0).to(tl.float32)
+    cos_first = tl.load(cos_ptr + token * stride_angle + dim).to(tl.float32)
+    cos_second = tl.load(cos_ptr + token * stride_angle + HALF + dim).to(tl.float32)
+    sin_first = tl.load(sin_ptr + token * stride_angle + dim).to(tl.float32)
+    sin_second = tl.load(sin_ptr + token * stride_angle + HALF + dim).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-second, first]; each product and
+    # the sum are rounded like the torch ops.
+    new_first = (first * cos_first).to(dtype).to(tl.float32) + (-second * sin_first).to(dtype).to(
+        tl.float32
+    )
+    new_second = (second * cos_second).to(dtype).to(tl.float32) + (first * sin_second).to(dtype).to(
+        tl.float32
+    )
+    tl.store(base + dim, new_first.to(dtype), mask=mask)
+    tl.store(base + HALF + dim, new_second.to(dtype), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * size + cols, (activated * up).to(dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (last dim contiguous) -> [T, H]."""
+    rows, size = x.shape
+    out = torch.empty((rows, size), dtype=x.dtype, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(size)
+        _rms_norm_kernel[(rows,)](
+            x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block
+        )
+    return out
+
+
+def add_norm(
+    update: torch.Tensor,
+    residual: torch.Tensor,
+    update_weight: torch.Tensor,
+    out_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + norm_u(update), norm_o of that); all [T, H]."""
+    rows, size = update.shape
+    total = torch.empty((rows, size), dtype=update.dtype, device=update.device)
+    normed = torch.empty_like(total)
+    if rows:
+        _add_norm_kernel[(rows,)](
+            update, residual, update_weight, out_weight, total, normed,
+            update.stride(0), residual.stride(0), size, eps,
+            BLOCK=triton.next_power_of_2(size),
+        )  # fmt: skip
+    return total, normed
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] in place (any token/head strides, contiguous D); cos/sin [T, D]."""
+    tokens, heads, head_dim = x.shape
+    if tokens:
+        _rotary_kernel[(tokens,)](
+            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads,
+            HALF=head_dim // 2, BLOCK_HEADS=triton.next_power_of_2(heads),
+        )  # fmt: skip
+    return x
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [T, I] views (contiguous last dim)."""
+    rows, size = gate.shape
+    out = torch.empty((rows, size), dtype=gate.dtype, device=gate.device)
+    if rows:
+        block = min(2048, triton.next_power_of_2(size))
+        grid = (rows, triton.cdiv(size, block))
+        _silu_mul_kernel[grid](gate, up, out, gate.stride(0), up.stride(0), size, BLOCK=block)
+    return out

@@ -1,0 +1,102 @@
+"""The fused Triton layer ops against the torch ops they replace (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve.models.checkpoint_writer import random_state_dict
+from loopserve.models.ops import TorchOps, TritonOps
+from loopserve.models.ouro import LoopContext, OuroForCausalLM, RMSNorm
+from loopserve.reference import attend
+from tests.conftest import TINY_CONFIG
+from tests.kernels.conftest import ON_GPU
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=2e-6)
+        return
+    # bf16: the same rounding points as torch, so on a GPU nearly every element is bitwise equal
+    # and the rest differ by a unit in the last place of an intermediate (fp32 sum order, exp).
+    # Triton's CPU interpreter truncates fp32 -> bf16 where the GPU rounds to nearest, which
+    # adds a few such units. Units are those of each row's largest magnitude (sums cancel).
+    row_max = expected.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    unit = 2.0 ** (torch.floor(torch.log2(row_max)) - 7)
+    units = ((actual.float() - expected.float()).abs() / unit).max()
+    assert units <= (2 if ON_GPU else 8), f"{units} units in the last place apart"
+    if ON_GPU:
+        assert (actual == expected).float().mean() > 0.97
+
+
+def norm(size: int, dtype: torch.dtype, device: torch.device) -> RMSNorm:
+    module = RMSNorm(size, 1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(1 + 0.1 * torch.randn(size))
+    return module
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [64, 100])
+def test_norms(dtype: torch.dtype, size: int, device: torch.device) -> None:
+    torch.manual_seed(size)
+    x = (3 * torch.randn(7, size)).to(device=device, dtype=dtype)
+    update = torch.randn(7, size).to(device=device, dtype=dtype)
+    first, second = norm(size, dtype, device), norm(size, dtype, device)
+    close(TritonOps().rms_norm(x, first), TorchOps().rms_norm(x, first))
+    fused = TritonOps().add_norm(update, x, first, second)
+    reference = TorchOps().add_norm(update, x, first, second)
+    close(fused[0], reference[0])
+    close(fused[1], reference[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_views(dtype: torch.dtype, device: torch.device) -> None:
+    torch.manual_seed(1)
+    tokens, q_heads, kv_heads, head_dim = 5, 4, 2, 16
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).to(device=device, dtype=dtype)
+    angles = torch.randn(tokens, head_dim // 2).repeat(1, 2)
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+    def views(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = tensor.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        return q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+    expected = TorchOps().rotary(*views(qkv.clone()), cos, sin)
+    fused_input = qkv.clone()
+    actual = TritonOps().rotary(*views(fused_input), cos, sin)
+    close(actual[0], expected[0])
+    close(actual[1], expected[1])
+    v_columns = slice((q_heads + kv_heads) * head_dim, None)
+    assert torch.equal(fused_input[:, v_columns], qkv[:, v_columns])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype, device: torch.device) -> None:
+    torch.manual_seed(2)
+    gate_up = (2 * torch.randn(6, 2 * 96)).to(device=device, dtype=dtype)
+    gate, up = gate_up.split([96, 96], dim=-1)
+    close(TritonOps().silu_mul(gate, up), TorchOps().silu_mul(gate, up))
+
+
+def test_a_fused_loop_matches_the_torch_loop(device: torch.device) -> None:
+    """Fused projections and fused ops together: one loop of a tiny model, fp32."""
+    model = OuroForCausalLM(TINY_CONFIG)
+    model.load_state_dict(random_state_dict(TINY_CONFIG, seed=4), strict=False)
+    model = model.to(device).eval()
+    tokens = 9
+    hidden = torch.randn(tokens, TINY_CONFIG.hidden_size, device=device)
+    cos, sin = model.rope(torch.arange(tokens, device=device))
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend(q, k, v, causal=True)
+
+    context = LoopContext(cos, sin, attention)
+    with torch.inference_mode():
+        expected = model.run_loop(hidden, context)
+        model.fuse_projections()
+        model.ops = TritonOps()
+        actual = model.run_loop(hidden, context)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
