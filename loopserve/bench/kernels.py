@@ -66,7 +66,7 @@ class BenchSettings:
 
 @dataclass(slots=True)
 class Workload:
-    """One benchmark config's data: paged KV for the backend, dense copies for SDPA."""
+    """One benchmark config's data: paged KV over `layers` layers and this pass's q/k/v."""
 
     backend: TritonAttentionBackend
     kv: KVStorage
@@ -335,12 +335,13 @@ def smoke_configs() -> Iterator[Config]:
 def _environment(device: torch.device) -> dict:
     import triton
 
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = "unknown"
+    sha = os.environ.get("LOOPSERVE_GIT_SHA")  # for trees copied without .git
+    if not sha:
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        try:
+            sha = subprocess.run(git, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            sha = "unknown"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     return {
         "git_sha": sha,
@@ -364,12 +365,7 @@ def run(
         try:
             record = bench(*args, settings, **tiling)
         except Exception as error:  # one bad config must not hide the others
-            record = {
-                "bench": bench.__name__,
-                "args": list(args),
-                "tiling": tiling,
-                "error": repr(error),
-            }
+            record = {"bench": bench.__name__, "args": args, "tiling": tiling, "error": repr(error)}
         record = {**record, **common, **environment}
         out(json.dumps(record))
         records.append(record)

@@ -28,11 +28,12 @@ def test_smoke_run_emits_one_record_per_config(device: torch.device) -> None:
 
 def test_standard_configs_are_well_formed() -> None:
     """Every config names a bench function and tiling fields that exist."""
-    defaults = {
-        bench.bench_decode: DecodeTiling.for_shape(1, 128),
-        bench.bench_prefill: PrefillTiling.for_shape(128, torch.bfloat16),
-    }
+    decode, prefill = DecodeTiling.for_shape(1, 128), PrefillTiling.for_shape(128, torch.bfloat16)
     for quick in (True, False):
         for function, args, tiling in bench.configs(quick):
-            dataclasses.replace(defaults[function], **tiling)
+            assert function in (bench.bench_decode, bench.bench_prefill)
+            if function is bench.bench_decode:
+                dataclasses.replace(decode, **tiling)
+            else:
+                dataclasses.replace(prefill, **tiling)
             assert all(isinstance(value, int) for value in (*args, *tiling.values()))
