@@ -259,7 +259,7 @@ def cuda_timer(fn: Callable[[], object]) -> dict[str, float]:
 
     quantiles = [0.2, 0.5, 0.8]
     eager = do_bench(fn, warmup=25, rep=100, quantiles=quantiles)
-    graph = do_bench_cudagraph(fn, rep=100, quantiles=quantiles)
+    graph = do_bench_cudagraph(fn, rep=50, quantiles=quantiles)  # 10 replays of ~50 ms graphs
     return {
         "ms": eager[1],
         "graph_ms": graph[1],
