@@ -7,6 +7,7 @@ progress history). Must not: parse command lines or define any step's internals.
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from dataclasses import replace
@@ -81,7 +82,12 @@ def train_tiny(
         held_out_windows=held_out.shape[0],
         vocab=tokenizer.get_vocab_size(),
     )
-    model = build_model(config.model, config.stage1.gate_bias_init, config.seed).to(device)
+    tokens_per_step = config.stage1.batch_size * config.seq_len
+    epoch_steps = math.ceil(config.stage1.max_epochs * train_stream.numel() / tokens_per_step)
+    if epoch_steps < config.stage1.steps:
+        log.message(f"stage 1 capped at {epoch_steps} steps ({config.stage1.max_epochs} epochs)")
+        config = replace(config, stage1=replace(config.stage1, steps=epoch_steps))
+    model = build_model(config.model, config.stage1, config.seed).to(device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     started = time.perf_counter()
     sampler = BatchSampler(train_stream, config.seq_len, seed=config.seed)

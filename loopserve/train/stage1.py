@@ -25,25 +25,34 @@ from loopserve.train.looped_forward import (
 from loopserve.train.objectives import stage1_terms
 from loopserve.train.progress import ProgressLog
 
-# Std of every weight matrix and of the (tied) embedding at initialisation.
+# Std of every weight matrix (and of an untied LM head) at initialisation.
 _INIT_STD = 0.02
+# The norms that close each residual branch.
+_BRANCH_NORMS = ("input_layernorm_2.weight", "post_attention_layernorm_2.weight")
 
 
-def build_model(shape: ModelShape, gate_bias: float, seed: int) -> OuroForCausalLM:
+def _initial_value(
+    name: str, shape: torch.Size, config: Stage1Config, hidden: int, generator: torch.Generator
+) -> torch.Tensor:
+    if name.endswith(_BRANCH_NORMS):
+        return torch.full(shape, config.branch_norm_init)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name == "model.early_exit_gate.weight":
+        return torch.zeros(shape)  # every token starts with the same hazard, sigmoid(bias)
+    if name == "model.early_exit_gate.bias":
+        return torch.full(shape, config.gate_bias_init)
+    std = config.embedding_init_scale / math.sqrt(hidden) if "embed" in name else _INIT_STD
+    return torch.randn(shape, generator=generator) * std
+
+
+def build_model(shape: ModelShape, config: Stage1Config, seed: int) -> OuroForCausalLM:
     """A freshly initialised fp32 model on the CPU; the same seed gives the same weights."""
     generator = torch.Generator().manual_seed(seed)
     model = OuroForCausalLM(shape.to_ouro_config())
-    gate = model.model.early_exit_gate
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif param is gate.weight:
-                param.zero_()  # every token starts with the same hazard, sigmoid(gate_bias)
-            elif param is gate.bias:
-                param.fill_(gate_bias)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * _INIT_STD)
+            param.copy_(_initial_value(name, param.shape, config, shape.hidden_size, generator))
     return model
 
 

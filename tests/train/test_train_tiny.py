@@ -12,7 +12,7 @@ import torch
 from loopserve.entrypoints.cli import main
 from loopserve.models.loader import load_checkpoint
 from loopserve.tokenizer import Tokenizer
-from loopserve.train.config import ModelShape, Stage2Config
+from loopserve.train.config import ModelShape, Stage1Config, Stage2Config
 from loopserve.train.data import BatchSampler
 from loopserve.train.progress import ProgressLog
 from loopserve.train.stage1 import build_model
@@ -86,7 +86,7 @@ def test_stage2_changes_only_the_gate() -> None:
         head_dim=16,
         num_loops=3,
     )
-    model = build_model(shape, gate_bias=-1.0, seed=0)
+    model = build_model(shape, Stage1Config(), seed=0)
     before = {name: param.clone() for name, param in model.named_parameters()}
     stream = torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(0))
     sampler = BatchSampler(stream, seq_len=16, seed=0)
