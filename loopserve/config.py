@@ -44,8 +44,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Decode rows plus prompt-chunk tokens per step.
     max_num_batched_tokens: int = 2048
-    # Longest prompt chunk of one request per step.
-    prefill_chunk_size: int = 512
+    # Longest prompt chunk of one request per step (one chunk runs every loop; larger chunks
+    # mean fewer launches per prompt token, smaller ones shorter stalls for decoding rows).
+    prefill_chunk_size: int = 2048
     # "refill" (continuous depth batching) or "no_refill" (cohorts drain first).
     scheduling: str = "refill"
     # "ouro" (exact gate exits), "ouro_delayed" (stop one loop after the gate says so), "trace".

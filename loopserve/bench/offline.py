@@ -100,7 +100,7 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="default: max(2048, max-num-seqs)"
     )
-    group.add_argument("--prefill-chunk-size", type=int, default=512)
+    group.add_argument("--prefill-chunk-size", type=int, default=2048)
     group.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument(

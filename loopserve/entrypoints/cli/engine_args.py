@@ -23,7 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--prefill-chunk-size", type=int, default=512)
+    group.add_argument("--prefill-chunk-size", type=int, default=2048)
     group.add_argument("--engine-seed", type=int, default=0, help="seed of the engine itself")
     group.add_argument("--decode-mode", default="auto", choices=["auto", "host", "device"])
     group.add_argument(
