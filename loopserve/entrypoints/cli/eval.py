@@ -47,7 +47,7 @@ def _add_perplexity(commands: argparse._SubParsersAction) -> None:
         "--seq-len", type=int, default=None, help="predicted tokens per window (default: trained)"
     )
     parser.add_argument(
-        "--max-tokens", type=int, default=32768, help="predicted tokens at most (0: all)"
+        "--max-tokens", type=int, default=8192, help="predicted tokens at most (0: all)"
     )
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
