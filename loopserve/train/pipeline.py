@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import platform
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,48 @@ def _versions(device: torch.device) -> dict[str, str]:
     return versions
 
 
+@dataclass(slots=True)
+class _Data:
+    split: corpus.CorpusSplit
+    tokenizer: Tokenizer
+    train: torch.Tensor  # [N] token stream on the training device
+    held_out: torch.Tensor  # [W, S+1] evaluation windows on the training device
+
+
+def _prepare_data(
+    config: TrainTinyConfig, corpus_root: Path | None, device: torch.device, log: ProgressLog
+) -> _Data:
+    split = corpus.load_split(corpus_root, config.held_out_fraction, config.max_files)
+    tokenizer = train_tokenizer(split.train, config.model.vocab_size)
+    train = _stream(tokenizer, split.train).to(device)
+    held_out = eval_windows(
+        _stream(tokenizer, split.held_out), config.seq_len + 1, config.eval_tokens
+    )
+    log.emit(
+        "data",
+        train_files=len(split.train),
+        held_out_files=len(split.held_out),
+        train_tokens=train.numel(),
+        held_out_windows=held_out.shape[0],
+        vocab=tokenizer.get_vocab_size(),
+    )
+    return _Data(split, tokenizer, train, held_out.to(device))
+
+
+def _fit_to_data(config: TrainTinyConfig, data: _Data, log: ProgressLog) -> TrainTinyConfig:
+    """The vocabulary the corpus supported, and at most `max_epochs` passes of stage 1."""
+    vocab = data.tokenizer.get_vocab_size()
+    if vocab != config.model.vocab_size:
+        # A small corpus may not support as many merges as asked for; size the model to it.
+        config = replace(config, model=replace(config.model, vocab_size=vocab))
+    tokens_per_step = config.stage1.batch_size * config.seq_len
+    epoch_steps = math.ceil(config.stage1.max_epochs * data.train.numel() / tokens_per_step)
+    if epoch_steps < config.stage1.steps:
+        log.message(f"stage 1 capped at {epoch_steps} steps ({config.stage1.max_epochs} epochs)")
+        config = replace(config, stage1=replace(config.stage1, steps=epoch_steps))
+    return config
+
+
 def train_tiny(
     config: TrainTinyConfig,
     output: Path,
@@ -65,49 +107,29 @@ def train_tiny(
     """
     check_output_directory(output, overwrite)
     torch.manual_seed(config.seed)
-    split = corpus.load_split(corpus_root, config.held_out_fraction, config.max_files)
-    tokenizer = train_tokenizer(split.train, config.model.vocab_size)
-    if tokenizer.get_vocab_size() != config.model.vocab_size:
-        # A small corpus may not support as many merges as asked for; size the model to it.
-        config = replace(config, model=replace(config.model, vocab_size=tokenizer.get_vocab_size()))
-    train_stream = _stream(tokenizer, split.train).to(device)
-    held_out = eval_windows(
-        _stream(tokenizer, split.held_out), config.seq_len + 1, config.eval_tokens
-    )
-    log.emit(
-        "data",
-        train_files=len(split.train),
-        held_out_files=len(split.held_out),
-        train_tokens=train_stream.numel(),
-        held_out_windows=held_out.shape[0],
-        vocab=tokenizer.get_vocab_size(),
-    )
-    tokens_per_step = config.stage1.batch_size * config.seq_len
-    epoch_steps = math.ceil(config.stage1.max_epochs * train_stream.numel() / tokens_per_step)
-    if epoch_steps < config.stage1.steps:
-        log.message(f"stage 1 capped at {epoch_steps} steps ({config.stage1.max_epochs} epochs)")
-        config = replace(config, stage1=replace(config.stage1, steps=epoch_steps))
+    data = _prepare_data(config, corpus_root, device, log)
+    config = _fit_to_data(config, data, log)
     model = build_model(config.model, config.stage1, config.seed).to(device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     started = time.perf_counter()
-    sampler = BatchSampler(train_stream, config.seq_len, seed=config.seed)
-    stage1_steps = train_stage1(model, sampler, held_out.to(device), config.stage1, autocast, log)
+    sampler = BatchSampler(data.train, config.seq_len, seed=config.seed)
+    stage1_steps = train_stage1(model, sampler, data.held_out, config.stage1, autocast, log)
     stage1_s = time.perf_counter() - started
     if stage1_steps < config.stage1.steps:
         log.message(f"stage 1 stopped by its time limit after {stage1_steps} steps")
-    gate_sampler = BatchSampler(train_stream, config.seq_len, seed=config.seed + 1)
+    gate_sampler = BatchSampler(data.train, config.seq_len, seed=config.seed + 1)
     train_stage2(model, gate_sampler, config.stage2, autocast, log)
-    losses = mean_loop_losses(model, held_out.to(device), config.stage1.batch_size, autocast)
+    losses = mean_loop_losses(model, data.held_out, config.stage1.batch_size, autocast)
     log.emit("final", heldout_loop_losses=losses)
     info = {
         "end_of_text": END_OF_TEXT,
         "config": config.to_dict(),
         "corpus": {
-            "train": corpus.fingerprint(split.train),
-            "held_out": corpus.fingerprint(split.held_out),
-            "held_out_files": [file.relative_path for file in split.held_out],
+            "train": corpus.fingerprint(data.split.train),
+            "held_out": corpus.fingerprint(data.split.held_out),
+            "held_out_files": [file.relative_path for file in data.split.held_out],
         },
-        "train_tokens": train_stream.numel(),
+        "train_tokens": data.train.numel(),
         "stage1_steps_run": stage1_steps,
         "heldout_loop_losses": losses,
         "seconds": {"stage1": round(stage1_s, 1), "total": round(time.perf_counter() - started, 1)},
@@ -115,6 +137,6 @@ def train_tiny(
         "progress": log.records,
     }
     output.mkdir(parents=True, exist_ok=True)
-    export_checkpoint(model, tokenizer, output, info, dtype=save_dtype)
+    export_checkpoint(model, data.tokenizer, output, info, dtype=save_dtype)
     log.message(f"wrote {output}")
     return info
