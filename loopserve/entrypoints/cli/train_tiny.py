@@ -27,11 +27,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("output", type=Path, help="checkpoint directory to write")
     parser.add_argument(
-        "--small", action="store_true", help="a tiny CPU run for tests and CI (about a minute)"
+        "--small", action="store_true", help="a tiny CPU run for tests and CI (seconds)"
     )
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
     parser.add_argument("--seed", type=int, default=None, help="seed of everything (default 0)")
-    parser.add_argument("--steps", type=int, default=None, help="stage-1 steps")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="stage-1 steps (at most max_epochs passes)"
+    )
     parser.add_argument("--gate-steps", type=int, default=None, help="stage-2 (gate) steps")
     parser.add_argument(
         "--time-limit",
