@@ -1,8 +1,10 @@
 """Incremental detokenization with stop strings.
 
 Owns: turning a request's growing token list into text at amortised O(1) cost per token (it only
-ever decodes a short window of recent tokens), never emitting half a UTF-8 character, and finding
-stop strings. Must not: import torch.
+ever decodes a short window of recent tokens), never emitting half a UTF-8 character, finding
+stop strings, and holding back the last (longest stop string - 1) characters until they can no
+longer be the start of a stop string, so streamed text is never taken back. Must not: import
+torch.
 """
 
 from __future__ import annotations
@@ -24,45 +26,60 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
-        self.text = ""
+        self._text = ""  # everything decoded so far (cut before a stop string once one is found)
+        self._released = 0  # characters of _text handed out so far
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # Text of tokens[prefix:read] is already accounted for; tokens[read:] are not yet emitted.
         self._prefix = 0
         self._read = len(self._tokens)
         self._max_stop = max((len(s) for s in stop), default=0)
 
-    def add(self, token_ids: list[int]) -> tuple[str, str | None]:
-        """Append tokens; returns (new text, the stop string found or None).
+    @property
+    def text(self) -> str:
+        """The text handed out so far (what `add` and `flush` returned, concatenated)."""
+        return self._text[: self._released]
 
-        When a stop string is found, the text is cut just before it and nothing after it is
-        returned.
+    def add(self, token_ids: list[int]) -> tuple[str, str | None]:
+        """Append tokens; returns (newly released text, the stop string found or None).
+
+        When a stop string is found, the text is cut just before it and everything up to the
+        cut is released.
         """
         self._tokens.extend(token_ids)
         prefix_text = self._decode(self._tokens[self._prefix : self._read])
         full_text = self._decode(self._tokens[self._prefix :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-            return "", None  # an incomplete character: wait for the next token
-        new_text = full_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self._tokens)
-        return self._append_checking_stop(new_text)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            # (otherwise an incomplete character: wait for the next token)
+            self._prefix, self._read = self._read, len(self._tokens)
+            stop = self._append_checking_stop(full_text[len(prefix_text) :])
+            if stop is not None:
+                return self.flush(), stop
+        return self._release(len(self._text) - max(0, self._max_stop - 1)), None
 
-    def _append_checking_stop(self, new_text: str) -> tuple[str, str | None]:
-        start = len(self.text)
-        self.text += new_text
-        if not self.stop:
-            return new_text, None
+    def flush(self) -> str:
+        """Release everything held back (the request finished)."""
+        return self._release(len(self._text))
+
+    def _release(self, end: int) -> str:
+        start = self._released
+        self._released = max(start, end)
+        return self._text[start : self._released]
+
+    def _append_checking_stop(self, new_text: str) -> str | None:
+        start = len(self._text)
+        self._text += new_text
         # A stop string may straddle old and new text, but must end inside the new text.
         search_from = max(0, start - self._max_stop + 1)
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            index = self.text.find(stop, search_from)
+            index = self._text.find(stop, search_from)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is None:
-            return new_text, None
+            return None
         index, stop = best
-        self.text = self.text[:index]
-        return self.text[start:], stop
+        self._text = self._text[:index]
+        return stop
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -225,6 +225,8 @@ class Engine:
         if request.finished:
             self._requests.pop(request.request_id, None)
             self._detokenizers.pop(request.request_id, None)
+            if detokenizer is not None:
+                new_text += detokenizer.flush()  # text held back for a stop string that never came
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

@@ -46,3 +46,30 @@ def test_stop_strings_cut_the_text(tokenizer: Tokenizer) -> None:
             break
     assert stop == "return"
     assert detokenizer.text == seen == "def café(x):\n    "
+
+
+def test_streamed_text_is_never_taken_back(tokenizer: Tokenizer) -> None:
+    """Text that might be the start of a stop string is held back until it cannot be."""
+    text = "x = 1\nreturn_value = 2\nret"
+    for stop in ("return ", "zzz"):
+        detokenizer = IncrementalDetokenizer(tokenizer, [], True, (stop, "q"))
+        streamed = ""
+        found = None
+        for token in tokenizer.encode(text):
+            piece, found = detokenizer.add([token])
+            streamed += piece
+            assert detokenizer.text == streamed
+            if found is not None:
+                break
+        streamed += detokenizer.flush()
+        assert streamed == text  # neither stop string occurs: all of it, in order
+        assert found is None
+    detokenizer = IncrementalDetokenizer(tokenizer, [], True, ("value",))
+    streamed = ""
+    for token in tokenizer.encode(text):
+        piece, found = detokenizer.add([token])
+        streamed += piece
+        assert "valu" not in streamed  # the stop string's prefix was never streamed
+        if found is not None:
+            break
+    assert found == "value" and streamed == "x = 1\nreturn_"
