@@ -1,4 +1,4 @@
-"""GSM8K: data, prompt, strict extraction, report, baseline comparison and the CLI (fixture file)."""
+"""GSM8K: data, prompt, strict extraction, report, baseline comparison and the CLI (fixture)."""
 
 from __future__ import annotations
 
