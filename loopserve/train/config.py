@@ -82,6 +82,11 @@ class Stage1Config:
     # where every loop predicts about equally well and the later loops add nothing (seen on the
     # H200 and in CPU runs); started deep, per-loop loss falls steeply from loop 1 to loop 4.
     gate_bias_init: float = -4.0
+    # Fraction of the stage-1 steps during which the gate does not learn: the exit distribution
+    # stays at its deep start while the loops learn to work as depth. Learning from the start, the
+    # gate can follow the early loops, which are the best ones for a young model, and the later
+    # loops then never learn to add anything.
+    gate_frozen_fraction: float = 0.3
     # Initial weight of the norms that close each residual branch (input_layernorm_2 and
     # post_attention_layernorm_2): every layer starts as a small update of the state, so a loop
     # refines what the previous loop left instead of rewriting it.

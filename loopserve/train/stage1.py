@@ -118,6 +118,7 @@ def _step(
     targets: torch.Tensor,
     config: Stage1Config,
     autocast: torch.dtype | None,
+    learn_gate: bool,
 ) -> dict[str, object]:
     """One optimiser step; returns the progress record's values (tensors, not yet synced)."""
     with mixed_precision(inputs.device.type, autocast):
@@ -125,6 +126,9 @@ def _step(
     terms = stage1_terms(outputs.losses, outputs.gate_logits, config.entropy_weight)
     optimizer.zero_grad(set_to_none=True)
     terms.loss.backward()
+    if not learn_gate:  # the optimiser skips parameters without a gradient
+        for param in model.model.early_exit_gate.parameters():
+            param.grad = None
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
     return {
@@ -167,7 +171,8 @@ def train_stage1(
         for group in optimizer.param_groups:
             group["lr"] = rate
         inputs, targets = sampler.next_batch(config.batch_size)
-        values = _step(model, optimizer, inputs, targets, config, autocast)
+        learn_gate = step >= config.gate_frozen_fraction * config.steps
+        values = _step(model, optimizer, inputs, targets, config, autocast, learn_gate)
         tokens_since += inputs.numel()
         step += 1
         last = schedule.finished(step)
