@@ -7,6 +7,7 @@ imported by anything that runs without `--plot` (matplotlib is an optional depen
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from loopserve.eval.perplexity import CurvePoint
 
@@ -43,18 +44,22 @@ def plot_curve(points: list[CurvePoint], path: Path, title: str) -> Path:
     quality.set(xlabel="mean exit depth (loops)", ylabel="held-out perplexity", title=title)
     quality.legend()
     quality.grid(alpha=0.3)
-    shown = gated or fixed[-1:]
-    width = 0.8 / max(1, len(shown))
-    for index, point in enumerate(shown):
-        depths = range(1, len(point.depth_histogram) + 1)
-        fractions = [count / point.tokens for count in point.depth_histogram]
-        offsets = [depth - 0.4 + width * (index + 0.5) for depth in depths]
-        histogram.bar(offsets, fractions, width=width, label=point.label)
-    histogram.set(xlabel="exit depth (loops)", ylabel="fraction of tokens", title="exit depths")
-    histogram.set_xticks(range(1, max(len(p.depth_histogram) for p in shown) + 1))
-    histogram.legend(fontsize=8)
+    _draw_histograms(histogram, gated or fixed[-1:])
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def _draw_histograms(axes: Any, points: list[CurvePoint]) -> None:
+    """Grouped bars: for each point, the fraction of tokens that exited after each loop."""
+    width = 0.8 / max(1, len(points))
+    for index, point in enumerate(points):
+        depths = range(1, len(point.depth_histogram) + 1)
+        fractions = [count / point.tokens for count in point.depth_histogram]
+        offsets = [depth - 0.4 + width * (index + 0.5) for depth in depths]
+        axes.bar(offsets, fractions, width=width, label=point.label)
+    axes.set(xlabel="exit depth (loops)", ylabel="fraction of tokens", title="exit depths")
+    axes.set_xticks(range(1, max(len(point.depth_histogram) for point in points) + 1))
+    axes.legend(fontsize=8)

@@ -89,6 +89,23 @@ def _fit_to_data(config: TrainTinyConfig, data: _Data, log: ProgressLog) -> Trai
     return config
 
 
+def _training_info(
+    config: TrainTinyConfig, data: _Data, device: torch.device, log: ProgressLog
+) -> dict[str, Any]:
+    return {
+        "end_of_text": END_OF_TEXT,
+        "config": config.to_dict(),
+        "corpus": {
+            "train": corpus.fingerprint(data.split.train),
+            "held_out": corpus.fingerprint(data.split.held_out),
+            "held_out_files": [file.relative_path for file in data.split.held_out],
+        },
+        "train_tokens": data.train.numel(),
+        "versions": _versions(device),
+        "progress": log.records,
+    }
+
+
 def train_tiny(
     config: TrainTinyConfig,
     output: Path,
@@ -121,20 +138,12 @@ def train_tiny(
     train_stage2(model, gate_sampler, config.stage2, autocast, log)
     losses = mean_loop_losses(model, data.held_out, config.stage1.batch_size, autocast)
     log.emit("final", heldout_loop_losses=losses)
+    seconds = {"stage1": round(stage1_s, 1), "total": round(time.perf_counter() - started, 1)}
     info = {
-        "end_of_text": END_OF_TEXT,
-        "config": config.to_dict(),
-        "corpus": {
-            "train": corpus.fingerprint(data.split.train),
-            "held_out": corpus.fingerprint(data.split.held_out),
-            "held_out_files": [file.relative_path for file in data.split.held_out],
-        },
-        "train_tokens": data.train.numel(),
+        **_training_info(config, data, device, log),
         "stage1_steps_run": stage1_steps,
         "heldout_loop_losses": losses,
-        "seconds": {"stage1": round(stage1_s, 1), "total": round(time.perf_counter() - started, 1)},
-        "versions": _versions(device),
-        "progress": log.records,
+        "seconds": seconds,
     }
     output.mkdir(parents=True, exist_ok=True)
     export_checkpoint(model, data.tokenizer, output, info, dtype=save_dtype)

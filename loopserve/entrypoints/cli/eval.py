@@ -209,7 +209,7 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
         protocol_fingerprint,
         score_problems,
     )
-    from loopserve.eval.gsm8k_baseline import compare, load_report
+    from loopserve.eval.gsm8k_baseline import load_report
     from loopserve.eval.gsm8k_scoring import read_problems
     from loopserve.models.builtin import resolve_model_dir
 
@@ -239,9 +239,14 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.output}")
-    if baseline is None:
-        return 0
-    comparison = compare(report, baseline, args.max_drop)
+    return 0 if baseline is None else _check_baseline(report, baseline, args.max_drop)
+
+
+def _check_baseline(report: dict[str, Any], baseline: dict[str, Any], max_drop: float) -> int:
+    """Print the comparison with a stored run; 1 when accuracy fell by more than max_drop."""
+    from loopserve.eval.gsm8k_baseline import compare
+
+    comparison = compare(report, baseline, max_drop)
     for difference in comparison.protocol_differences:
         print(f"protocol differs: {difference}")
     print(
