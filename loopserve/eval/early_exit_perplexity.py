@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from loopserve.models.exit_rule import next_survival, threshold_reached
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.train.looped_forward import causal_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,7 @@ class _FrozenKVAttention:
 
     def __init__(self, batch: int, seq_len: int, num_layers: int) -> None:
         self.batch, self.seq_len = batch, seq_len
+        self._attend = causal_attention(batch, seq_len)
         self.running = torch.ones(batch * seq_len, dtype=torch.bool)  # [T]
         # The latest K/V version of every position, per layer: [T, Nkv, D].
         self._keys: list[torch.Tensor | None] = [None] * num_layers
@@ -74,16 +75,7 @@ class _FrozenKVAttention:
     ) -> torch.Tensor:
         k = self._latest(self._keys, layer, k)
         v = self._latest(self._values, layer, v)
-        batch, seq_len = self.batch, self.seq_len
-        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-        q4 = q.view(batch, seq_len, heads, head_dim).transpose(1, 2)  # [B, Nq, S, D]
-        k4 = k.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)  # [B, Nkv, S, D]
-        v4 = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
-        if heads != kv_heads:
-            k4 = k4.repeat_interleave(heads // kv_heads, dim=1)
-            v4 = v4.repeat_interleave(heads // kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)  # [B, Nq, S, D]
-        return out.transpose(1, 2).reshape(batch * seq_len, heads, head_dim)
+        return self._attend(layer, q, k, v)
 
 
 def _exits_after_loop(
