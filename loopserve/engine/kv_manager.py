@@ -22,6 +22,17 @@ def pages_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def pages_needed(
+    kv_layout: str, num_loops: int, num_prompt_tokens: int, num_positions: int, block_size: int
+) -> int:
+    """Every page a request can ever hold: `num_positions` tokens with K/V in each of its
+    `num_loops` planes (`full`), or in its final plane plus the prompt in the others (`shared`)."""
+    if kv_layout == "full":
+        return num_loops * pages_for(num_positions, block_size)
+    prompt_pages = pages_for(num_prompt_tokens, block_size)
+    return (num_loops - 1) * prompt_pages + pages_for(num_positions, block_size)
+
+
 @dataclass(slots=True)
 class _RequestPages:
     tables: list[list[int]]  # plane -> page ids

@@ -20,7 +20,7 @@ import heapq
 import itertools
 
 from loopserve.engine.device_decode import MAX_STOP_TOKEN_IDS, DeviceSlots
-from loopserve.engine.kv_manager import KVCacheManager, pages_for
+from loopserve.engine.kv_manager import KVCacheManager, pages_needed
 from loopserve.engine.scheduler_config import SchedulerConfig, SchedulerStats
 from loopserve.engine.scheduler_output import (
     DecodeRow,
@@ -62,13 +62,15 @@ class Scheduler:
 
     def pages_needed(self, request: Request) -> int:
         """Every page the request can ever hold (reserved at admission)."""
-        loops = request.params.max_loops
         # The last generated token is never fed back, so it needs no K/V.
         positions = request.num_prompt_tokens + request.params.params.max_tokens - 1
-        if self.config.kv_layout == "full":
-            return loops * pages_for(positions, self.config.block_size)
-        prompt_pages = pages_for(request.num_prompt_tokens, self.config.block_size)
-        return (loops - 1) * prompt_pages + pages_for(positions, self.config.block_size)
+        return pages_needed(
+            self.config.kv_layout,
+            request.params.max_loops,
+            request.num_prompt_tokens,
+            positions,
+            self.config.block_size,
+        )
 
     def add(self, request: Request) -> None:
         stop_ids = request.params.eos_token_ids | set(request.params.params.stop_token_ids)

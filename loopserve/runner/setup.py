@@ -18,7 +18,7 @@ from loopserve.attention.base import AttentionSpec
 from loopserve.attention.registry import select_backend
 from loopserve.attention.torch_backend import causal_attention
 from loopserve.config import EngineConfig
-from loopserve.engine.kv_manager import pages_for
+from loopserve.engine.kv_manager import pages_for, pages_needed
 from loopserve.engine.scheduler_output import SamplingInfo
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
 from loopserve.models.ops import TritonOps
@@ -138,17 +138,17 @@ def _num_kv_pages(
 def _check_one_request_fits(
     config: EngineConfig, model_config: OuroConfig, num_pages: int, max_model_len: int
 ) -> None:
-    """Auto-sized caches must hold at least one request of max_model_len tokens."""
+    """Auto-sized caches must hold at least one request of max_model_len tokens (whose prompt
+    may be nearly all of them, so both layouts need every plane)."""
     block = config.block_size
-    planes = model_config.num_loops if config.kv_layout == "full" else 1
-    needed = planes * pages_for(max_model_len, block)
-    if config.kv_layout == "shared":
-        needed += (model_config.num_loops - 1) * pages_for(max_model_len, block)
+    needed = pages_needed(
+        config.kv_layout, model_config.num_loops, max_model_len, max_model_len, block
+    )
     if needed > num_pages - 1:
         raise ValueError(
             f"the KV cache holds {num_pages - 1} pages of {block} tokens, but one request of "
-            f"max_model_len={max_model_len} tokens needs {needed}; lower --max-model-len, raise "
-            "--gpu-memory-utilization (or --kv-cache-memory-gb on CPU), or use --kv-layout shared"
+            f"max_model_len={max_model_len} tokens needs {needed}; lower --max-model-len or raise "
+            "--gpu-memory-utilization (or --kv-cache-memory-gb on CPU)"
         )
 
 
@@ -172,6 +172,7 @@ def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, En
     num_pages = _num_kv_pages(config, model, bytes_per_page, device)
     if config.num_kv_pages is None:
         _check_one_request_fits(config, model_config, num_pages, max_model_len)
+    graphs = config.decode_on_device() and device.type == "cuda" and config.cuda_graphs
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     spec = AttentionSpec(
         device_type=device.type,
@@ -181,7 +182,7 @@ def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, En
         num_heads=model_config.num_attention_heads,
         num_kv_heads=model_config.num_key_value_heads,
         block_size=config.block_size,
-        cuda_graphs=config.decode_on_device() and device.type == "cuda" and config.cuda_graphs,
+        cuda_graphs=graphs,
     )
     backend_cls = select_backend(config.attention_backend, spec)
     kv = KVStorage(
@@ -213,7 +214,6 @@ def build_runner(config: EngineConfig, model_dir: Path) -> tuple[ModelRunner, En
             no_refill=config.scheduling == "no_refill",
             max_trace_length=max_model_len if config.exit_mode == "trace" else 1,
         )
-    graphs = decoder is not None and device.type == "cuda" and config.cuda_graphs
     runner = ModelRunner(
         model, kv, backend, tables, config.max_num_seqs, decoder=decoder, cuda_graphs=graphs
     )

@@ -32,7 +32,13 @@ from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.kv_storage import NULL_PAGE, KVStorage
 from loopserve.runner.paged_attention import PagedAttention
-from loopserve.sample.sampler import SamplingBatch, sample
+from loopserve.sample.sampler import (
+    SamplingBatch,
+    effective_temperature,
+    effective_top_k,
+    needs_filter,
+    sample,
+)
 
 # Columns of the per-row result record (fp32: token ids < 2**24 are exact).
 RAN, LOOP, EXITED, TOKEN, STOPPED, LOGPROB = range(6)
@@ -114,11 +120,9 @@ class SlotDecoder:
         self._put(self.max_tokens, index, [s.max_tokens for s in setups])
         self._put(self.threshold, index, [s.exit_threshold for s in setups])
         self._put(self.seed, index, [s.sampling.seed for s in setups])
-        temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        self._put(self.temperature, index, temperature)
+        self._put(self.temperature, index, [effective_temperature(p) for p in params])
         self._put(self.greedy, index, [p.greedy for p in params])
-        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
-        self._put(self.top_k, index, top_k)
+        self._put(self.top_k, index, [effective_top_k(p, self.vocab_size) for p in params])
         self._put(self.top_p, index, [p.top_p for p in params])
         self._put(self.min_p, index, [p.min_p for p in params])
         self._put(
@@ -137,9 +141,7 @@ class SlotDecoder:
         for setup, param in zip(setups, params, strict=True):
             self.logprob_counts[setup.slot] = param.logprobs
             self._greedy_host[setup.slot] = param.greedy
-            self._filter_host[setup.slot] = not param.greedy and (
-                0 < param.top_k < self.vocab_size or param.top_p < 1.0 or param.min_p > 0.0
-            )
+            self._filter_host[setup.slot] = needs_filter(param, self.vocab_size)
 
     def sampling_kind(self, slots: list[int]) -> SamplingKind:
         counts = [self.logprob_counts[slot] or 0 for slot in slots]

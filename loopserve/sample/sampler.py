@@ -14,6 +14,23 @@ import torch
 
 from loopserve.engine.scheduler_output import SamplingInfo
 from loopserve.sample.noise import gumbel_noise
+from loopserve.sampling_params import SamplingParams
+
+
+def effective_top_k(params: SamplingParams, vocab_size: int) -> int:
+    """top_k as a rank bound: the vocabulary size when top-k is off."""
+    return params.top_k if 0 < params.top_k < vocab_size else vocab_size
+
+
+def effective_temperature(params: SamplingParams) -> float:
+    """The divisor of the logits (1 for greedy rows, which ignore it)."""
+    return params.temperature if params.temperature > 0 else 1.0
+
+
+def needs_filter(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether a sampled row restricts its candidates (top-k, top-p or min-p)."""
+    restricts = effective_top_k(params, vocab_size) < vocab_size
+    return not params.greedy and (restricts or params.top_p < 1.0 or params.min_p > 0.0)
 
 
 @dataclass(slots=True)
@@ -37,11 +54,9 @@ class SamplingBatch:
         cls, infos: Sequence[SamplingInfo], vocab_size: int, device: torch.device
     ) -> SamplingBatch:
         params = [info.params for info in infos]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_k = [effective_top_k(p, vocab_size) for p in params]
         return cls(
-            temperature=torch.tensor(
-                [p.temperature if p.temperature > 0 else 1.0 for p in params], device=device
-            ),
+            temperature=torch.tensor([effective_temperature(p) for p in params], device=device),
             greedy=torch.tensor([p.greedy for p in params], device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
@@ -50,10 +65,7 @@ class SamplingBatch:
             counters=torch.tensor(
                 [i.output_index for i in infos], dtype=torch.int64, device=device
             ),
-            needs_filter=any(
-                not p.greedy and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
-                for p, k in zip(params, top_k, strict=True)
-            ),
+            needs_filter=any(needs_filter(p, vocab_size) for p in params),
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             logprob_counts=[p.logprobs for p in params],
