@@ -58,12 +58,13 @@ class BlockTables:
         max_seq_len = max(positions_host) + 1
         width = pages_for(max_seq_len, self.block_size)
         page_table = self.tables[slots, planes, :width]  # [R, width]
+        row_index = torch.arange(rows, device=self.device)
         seq_lens = (positions + 1).to(torch.int32)
         return AttentionMetadata(
             query_start=torch.arange(rows + 1, dtype=torch.int32, device=self.device),
             seq_lens=seq_lens,
             page_table=page_table,
-            slot_mapping=self._slots(page_table, torch.arange(rows, device=self.device), positions),
+            slot_mapping=self.flat_slots(page_table, row_index, positions),
             max_query_len=1,
             max_seq_len=max_seq_len,
             query_start_host=list(range(rows + 1)),
@@ -87,14 +88,14 @@ class BlockTables:
             query_start=torch.tensor(query_start_host, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(seq_lens_host, dtype=torch.int32, device=self.device),
             page_table=page_table,
-            slot_mapping=self._slots(page_table, sequence_of_token, positions),
+            slot_mapping=self.flat_slots(page_table, sequence_of_token, positions),
             max_query_len=max(b - a for a, b in pairwise(query_start_host)),
             max_seq_len=max_seq_len,
             query_start_host=query_start_host,
             seq_lens_host=seq_lens_host,
         )
 
-    def _slots(
+    def flat_slots(
         self, page_table: torch.Tensor, row: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Flat KV slot of each token: page_table[row, pos // block] * block + pos % block."""

@@ -221,8 +221,8 @@ class SlotDecoder:
         slot_index = torch.arange(rows, device=self.device)
         page_table = tables[slot_index, plane]  # [rows, P]
         block = self.block_tables.block_size
-        page = page_table.gather(1, (position // block)[:, None]).squeeze(1).long()
-        slot_mapping = torch.where(run, page * block + position % block, NULL_PAGE * block)
+        slots = self.block_tables.flat_slots(page_table, slot_index, position)
+        slot_mapping = torch.where(run, slots, NULL_PAGE * block)
         seq_lens = torch.where(run, position + 1, torch.zeros_like(position)).to(torch.int32)
         host = None if self.backend.supports_cuda_graphs else seq_lens.tolist()
         return AttentionMetadata(
