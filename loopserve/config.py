@@ -1,78 +1,118 @@
 """Engine configuration: frozen intent, as the user gave it.
 
-Owns: `EngineConfig` and its validation. Must not: hold anything resolved at run time (the number of
-KV pages, the chosen attention backend, the device dtype, eos ids): the engine keeps those in its
-own `EngineRuntime`, and never writes them back here. Must not import torch.
+Owns: `EngineConfig` and the `SchedulerConfig` it holds, with one default and one help text per
+setting (the command line is generated from them) and their validation. Must not: hold anything
+resolved at run time (the number of KV pages, the chosen attention backend, the device dtype, eos
+ids: the runner reports those in `RunnerInfo`), or import torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
-from loopserve.engine.scheduler_config import SchedulerConfig
-from loopserve.engine.trace import D2_6
+from loopserve.depth.policy import ExitMode, Scheduling
+from loopserve.depth.trace import D2_6, check_distribution
+from loopserve.kv.layout import KVLayout
 
-LOAD_FORMATS = ("auto", "dummy")
-DECODE_MODES = ("auto", "host", "device")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class LoadFormat(str, enum.Enum):
+    AUTO = "auto"  # safetensors weights from the checkpoint
+    DUMMY = "dummy"  # random weights from config.json alone
+
+
+def setting(default: Any, help: str, *, flag: str | None = None, choices: Any = None) -> Any:
+    """A config field with its help text (and, optionally, its command-line flag and choices)."""
+    metadata = {"help": help, "flag": flag, "choices": choices}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How requests are batched, how deep their tokens run, and how their K/V are laid out."""
+
+    max_num_seqs: int = setting(64, "requests running at once (each holds one decode row)")
+    max_num_batched_tokens: int = setting(
+        2048, "prompt tokens per step (every decoding request's row runs besides them)"
+    )
+    prefill_chunk_size: int = setting(
+        2048,
+        "longest prompt chunk of one request per step; a chunk runs every loop, so larger "
+        "chunks mean fewer launches, smaller ones shorter stalls for decoding rows",
+    )
+    scheduling: Scheduling = setting(
+        Scheduling.REFILL,
+        "refill: a row whose token exited starts the next token at once (continuous depth "
+        "batching); no_refill: it waits until its whole cohort has exited",
+    )
+    exit_mode: ExitMode = setting(
+        ExitMode.OURO,
+        "ouro: exit after the first loop whose gate test holds (exact); ouro_delayed: one loop "
+        "later; trace: depths given in advance (benchmarks)",
+    )
+    trace_distribution: tuple[float, ...] = setting(
+        D2_6, "trace mode: P(depth = 1, 2, ...) for requests that give no depths"
+    )
+    kv_layout: KVLayout = setting(
+        KVLayout.FULL,
+        "full: one KV plane per loop (at fixed depth exactly the HF model); shared: once a "
+        "prompt is done, each token keeps only its final version (one plane of memory)",
+    )
+    block_size: int = setting(16, "tokens per KV page")
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self)
+        object.__setattr__(self, "trace_distribution", tuple(self.trace_distribution))
+        check_distribution(self.trace_distribution)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    # Checkpoint directory (HF layout); None runs the built-in tiny model shipped in the package.
-    model: str | None = None
-    # "auto": read safetensors weights; "dummy": random weights from config.json alone.
-    load_format: str = "auto"
-    # "cpu", "cuda" or "cuda:N".
-    device: str = "cpu"
-    # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
-    dtype: str = "auto"
-    # "full" (one KV plane per loop, exact) or "shared" (final versions only after prefill).
-    kv_layout: str = "full"
-    # "auto" or a registered backend name ("torch", "triton", ...).
-    attention_backend: str = "auto"
-    # Tokens per KV page.
-    block_size: int = 16
-    # Exact number of KV pages (including the null page); None sizes the cache from memory.
-    num_kv_pages: int | None = None
-    # CPU: memory given to KV pages when num_kv_pages is None.
-    kv_cache_memory_gb: float = 1.0
-    # CUDA: fraction of GPU memory the engine may use in total (weights, activations, KV).
-    gpu_memory_utilization: float = 0.9
-    # Longest prompt + output; None takes the model's max_position_embeddings.
-    max_model_len: int | None = None
-    # Requests admitted at once.
-    max_num_seqs: int = 64
-    # Decode rows plus prompt-chunk tokens per step.
-    max_num_batched_tokens: int = 2048
-    # Longest prompt chunk of one request per step (one chunk runs every loop; larger chunks
-    # mean fewer launches per prompt token, smaller ones shorter stalls for decoding rows).
-    prefill_chunk_size: int = 2048
-    # "refill" (continuous depth batching) or "no_refill" (cohorts drain first).
-    scheduling: str = "refill"
-    # "ouro" (exact gate exits), "ouro_delayed" (stop one loop after the gate says so), "trace".
-    exit_mode: str = "ouro"
-    # P(depth = 1, 2, ...) for traced tokens without explicit depths (trace mode).
-    trace_distribution: tuple[float, ...] = D2_6
-    # Seed of the engine's generator (draws seeds for requests that give none, dummy weights).
-    seed: int = 0
-    # "host": the scheduler picks every decode row's loop (the reference-like path);
-    # "device": per-slot decode state lives on the device and one step runs a loop for every
-    # slot, exits and samples included, with no host round trip; "auto": device on CUDA.
-    decode_mode: str = "auto"
-    # Device decode on CUDA: replay the decode step from CUDA graphs (captured lazily per
-    # padded batch size); False runs it eagerly.
-    cuda_graphs: bool = True
-    # Device decode: prepare and launch step n + 1 before reading step n's results.
-    async_scheduling: bool = True
-    # CUDA: run norms, RoPE and SiLU as fused Triton kernels when triton is installed (one launch
-    # each instead of several torch ops); False keeps the torch ops everywhere.
-    fused_kernels: bool = True
+    model: str | None = setting(
+        None, "checkpoint directory (HF layout); default: the built-in tiny model"
+    )
+    load_format: LoadFormat = setting(
+        LoadFormat.AUTO, "auto: the checkpoint's safetensors; dummy: random weights"
+    )
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = setting(
+        "auto", "weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU", choices=DTYPES
+    )
+    attention_backend: str = setting(
+        "auto",
+        "auto (the first capable backend; the reasons for skipping the others are logged) or a "
+        "registered name (torch, triton); an explicit choice never falls back",
+    )
+    num_kv_pages: int | None = setting(
+        None, "exact number of KV pages (the null page included); default: sized from memory"
+    )
+    kv_cache_memory_gb: float = setting(1.0, "CPU: memory for the KV cache")
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA: fraction of GPU memory for weights, activations and the KV cache"
+    )
+    max_model_len: int | None = setting(
+        None, "longest prompt + output; default: the model's max_position_embeddings"
+    )
+    seed: int = setting(
+        0, "seed of the engine (request seeds, dummy weights)", flag="--engine-seed"
+    )
+    cuda_graphs: bool = setting(True, "CUDA: replay the decode step from CUDA graphs")
+    async_scheduling: bool = setting(True, "launch step n + 1 before reading step n's results back")
+    fused_kernels: bool = setting(
+        True, "CUDA: fused Triton kernels for norms, RoPE and SiLU (when triton is installed)"
+    )
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.decode_mode not in DECODE_MODES:
-            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _coerce_enums(self)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -83,22 +123,37 @@ class EngineConfig:
             raise ValueError("num_kv_pages must be at least 2 (page 0 is the null page)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-        self.scheduler_config()  # validates the scheduling fields
 
-    def decode_on_device(self) -> bool:
-        if self.decode_mode == "auto":
-            return self.device.startswith("cuda")
-        return self.decode_mode == "device"
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """An EngineConfig from flat keyword arguments: each name goes to the config that declares
+        it (`EngineConfig(max_num_seqs=8)` is spelled `EngineConfig.from_options(max_num_seqs=8)`).
+        """
+        scheduler_names = {item.name for item in fields(SchedulerConfig)}
+        engine_names = {item.name for item in fields(cls)} - {"scheduler"}
+        unknown = sorted(set(options) - scheduler_names - engine_names)
+        if unknown:
+            known = ", ".join(sorted(scheduler_names | engine_names))
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {known}")
+        scheduler = SchedulerConfig(**{k: v for k, v in options.items() if k in scheduler_names})
+        engine = {k: v for k, v in options.items() if k in engine_names}
+        return cls(**engine, scheduler=scheduler)
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            prefill_chunk_size=self.prefill_chunk_size,
-            scheduling=self.scheduling,
-            exit_mode=self.exit_mode,
-            kv_layout=self.kv_layout,
-            block_size=self.block_size,
-            trace_distribution=self.trace_distribution,
-            decode_on_device=self.decode_on_device(),
-        )
+
+def _coerce_enums(config: Any) -> None:
+    """Accept an enum's value (`kv_layout="shared"`) wherever a field is an enum."""
+    for item in fields(config):
+        default = item.default
+        if isinstance(default, enum.Enum) and not isinstance(getattr(config, item.name), enum.Enum):
+            kind = type(default)
+            value = getattr(config, item.name)
+            try:
+                object.__setattr__(config, item.name, kind(value))
+            except ValueError:
+                choices = [member.value for member in kind]
+                raise ValueError(f"{item.name} must be one of {choices}, got {value!r}") from None
+
+
+def config_fields(config_class: type) -> list[Any]:
+    """The settings of a config class that take a value (the nested `scheduler` excluded)."""
+    return [item for item in fields(config_class) if item.default is not MISSING]

@@ -1,11 +1,12 @@
 """The serial reference: one request at a time, dense per-loop K/V, written to be read.
 
-Owns: the definition-by-code of ARCHITECTURE.md §1–3 for both KV layouts and every exit mode. Every
+Owns: the definition-by-code of docs/looped-models.md for both KV layouts and every exit mode. Every
 fast path (the engine, its kernels, the evaluators) is tested against it, and users can run it to
 check the engine on their own checkpoint. Must not: batch, page, or optimise anything.
 
-It shares with the engine only what *defines* the behaviour: the model's math, the fp32 exit rule
-(`models.exit_rule`), the seeded sampler and the seeded exit traces.
+It shares with the engine only what *defines* the behaviour: the model's math, the fp32 exit test
+(`depth.exit_test`), the seeded sampler and the seeded exit traces. It deliberately does not use
+the engine's depth policy (`depth.policy`) or KV layouts (`kv.layout`): it is their oracle.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loopserve.engine.scheduler_output import SamplingInfo
-from loopserve.engine.trace import D2_6, resolved_trace_depth
-from loopserve.models.exit_rule import next_survival, threshold_reached
+from loopserve.depth.exit_test import next_survival, threshold_reached
+from loopserve.depth.trace import D2_6, resolved_trace_depth
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.sample.sampler import SamplingBatch, sample
-from loopserve.sampling_params import ResolvedParams
+from loopserve.sampling_params import ResolvedParams, SamplingInfo
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -4,8 +4,8 @@ Owns: `Request` and its derived positions. Must not: import torch.
 
 Lifecycle: WAITING -> RUNNING (admitted: a slot and a KV reservation) -> FINISHED. While RUNNING a
 request first prefills its prompt in chunks (`num_computed_tokens` chases `num_prompt_tokens`), then
-decodes: its newest output token is *in flight*, running loop `next_loop` of the shared stack; when
-it exits, the coda samples the next token, which starts again at loop 1.
+decodes: its newest output token is *in flight* in the decode step, which runs it loop by loop
+until it exits and the coda samples the next token (the host does not track its loops).
 """
 
 from __future__ import annotations
@@ -38,12 +38,6 @@ class Request:
     # Prompt tokens whose K/V exist at every loop.
     num_computed_tokens: int = 0
     slot: int | None = None
-    # The in-flight token: the loop it runs next (1-based), its survival Π(1 − λ) so far (an fp32
-    # value), and, in `ouro_delayed` mode, whether its exit test already held (it stops after
-    # `next_loop`).
-    next_loop: int = 1
-    survival: float = 1.0
-    stop_after_next_loop: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -67,13 +61,3 @@ class Request:
     def position(self) -> int:
         """Position of the in-flight token (the newest output token)."""
         return self.num_prompt_tokens + self.num_output_tokens - 1
-
-    @property
-    def decode_index(self) -> int:
-        """How many decode computations finished before the in-flight one."""
-        return self.num_output_tokens - 1
-
-    def start_next_token(self) -> None:
-        self.next_loop = 1
-        self.survival = 1.0
-        self.stop_after_next_loop = False

@@ -1,8 +1,9 @@
 """Per-request generation settings: sampling, stopping, logprobs and loop depth.
 
-Owns: `SamplingParams` and its validation at the API boundary. Must not: import torch, or hold
-values resolved by the engine (the model's loop count, eos ids, a drawn seed): those live in
-`ResolvedParams`, built once per request by the engine.
+Owns: `SamplingParams` and its validation at the API boundary, `ResolvedParams` (the same with the
+engine's defaults filled in) and `SamplingInfo` (what the coda needs to sample one token). Must
+not: import torch, or hold values resolved by the engine (the model's loop count, eos ids, a drawn
+seed) in `SamplingParams`: those live in `ResolvedParams`, built once per request by the engine.
 """
 
 from __future__ import annotations
@@ -113,3 +114,12 @@ class ResolvedParams:
         if depths is None or decode_index >= len(depths):
             return None
         return depths[decode_index]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingInfo:
+    """What the coda needs to sample a request's next token, batch-independently."""
+
+    params: SamplingParams
+    seed: int
+    output_index: int  # index of the token being sampled among the request's outputs

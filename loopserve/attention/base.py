@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from loopserve.attention.metadata import AttentionMetadata
-from loopserve.runner.kv_storage import KVStorage
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.storage import KVStorage
 
 
 @dataclass(frozen=True, slots=True)

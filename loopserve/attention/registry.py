@@ -6,8 +6,10 @@ before it is asked about (optional dependencies stay lazy).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
+from dataclasses import dataclass
 
 from loopserve.attention.base import AttentionBackend, AttentionSpec
 
@@ -38,24 +40,49 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return cls
 
 
-def select_backend(name: str, spec: AttentionSpec) -> type[AttentionBackend]:
-    """The backend class for `name` ("auto" or a registered name); never falls back silently."""
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    backend: type[AttentionBackend]
+    cuda_graphs: bool  # the decode step may be captured (False: it runs eagerly)
+
+
+def select_backend(name: str, spec: AttentionSpec) -> BackendChoice:
+    """The backend for `name` ("auto" or a registered name), and whether graphs stay on.
+
+    CUDA graphs are a preference: `auto` takes the first backend that can serve `spec` with
+    graphs, else the first that can serve it eagerly; an explicit choice is used eagerly when it
+    cannot be captured. Every reason is logged; a backend never falls back to another silently,
+    and an explicit choice never falls back at all.
+    """
+    eager = dataclasses.replace(spec, cuda_graphs=False)
     if name != "auto":
         cls = backend_class(name)
-        reasons = cls.unsupported_reasons(spec)
+        reasons = cls.unsupported_reasons(eager)
         if reasons:
             raise BackendUnavailableError(
                 f"attention backend {name!r} cannot run here: " + "; ".join(reasons)
             )
-        return cls
+        return _choice(cls, spec, [])
     rejected: list[str] = []
-    for candidate in AUTO_ORDER:
-        cls = backend_class(candidate)
-        reasons = cls.unsupported_reasons(spec)
-        if not reasons:
-            for line in rejected:
-                logger.info("attention backend %s", line)
-            logger.info("attention backend: auto chose %s", candidate)
-            return cls
-        rejected.append(f"{candidate} skipped: {'; '.join(reasons)}")
+    for candidate_spec in [spec, eager] if spec.cuda_graphs else [spec]:
+        for candidate in AUTO_ORDER:
+            cls = backend_class(candidate)
+            reasons = cls.unsupported_reasons(candidate_spec)
+            if not reasons:
+                return _choice(cls, spec, rejected)
+            rejected.append(f"{candidate} skipped: {'; '.join(reasons)}")
     raise BackendUnavailableError("no attention backend can run here: " + " | ".join(rejected))
+
+
+def _choice(cls: type[AttentionBackend], spec: AttentionSpec, rejected: list[str]) -> BackendChoice:
+    for line in rejected:
+        logger.info("attention backend %s", line)
+    graphs = spec.cuda_graphs and cls.supports_cuda_graphs
+    if spec.cuda_graphs and not graphs:
+        logger.warning(
+            "attention backend %s cannot be captured in CUDA graphs: the decode step runs "
+            "eagerly (slower); install triton for graphs",
+            cls.name,
+        )
+    logger.info("attention backend: %s (CUDA graphs %s)", cls.name, "on" if graphs else "off")
+    return BackendChoice(cls, graphs)

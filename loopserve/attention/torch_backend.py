@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from loopserve.attention.base import AttentionBackend
-from loopserve.attention.metadata import AttentionMetadata
-from loopserve.runner.kv_storage import KVStorage
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.storage import KVStorage
 
 
 def write_kv(

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from loopserve.attention.base import AttentionBackend, AttentionSpec
-from loopserve.attention.metadata import AttentionMetadata
-from loopserve.runner.kv_storage import KVStorage
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.storage import KVStorage
 
 if TYPE_CHECKING:
     from loopserve.kernels.paged_decode import DecodeWorkspace

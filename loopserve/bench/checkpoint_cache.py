@@ -31,11 +31,10 @@ def ensure_random_checkpoint(directory: Path = DEFAULT_CACHE_DIR) -> Path:
         raise ValueError(f"{directory} exists but holds no checkpoint; remove it or pass --model")
     import torch
 
-    from loopserve.entrypoints.cli.make_checkpoint import PRESETS
     from loopserve.models.checkpoint_writer import random_state_dict, write_checkpoint
-    from loopserve.models.ouro_config import OuroConfig
+    from loopserve.models.ouro_config import preset_config
 
-    config = OuroConfig.from_dict(OuroConfig().to_hf_dict() | PRESETS[PRESET])
+    config = preset_config(PRESET)
     partial = directory.with_name(f"{directory.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     started = time.monotonic()

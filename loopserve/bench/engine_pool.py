@@ -5,11 +5,11 @@ exit mode: fixed depth is requested per request), timing start-up, sharing GPU m
 engines that must be alive together (A/B runs), freeing an engine's memory before the next one
 is built, and reading the model's sizes for the floor. Must not: run requests or time them.
 
-Scheduling, KV layout and CUDA graphs (`EngineConfig.cuda_graphs`, used by the device-resident
-decode step on CUDA) are engine settings, so each combination needs its own
-engine; exit depths are per request, so fixed-depth and traced runs share one. Weights are read
-from the checkpoint on local disk for every engine (the OS page cache keeps the later reads cheap);
-start-up time is reported separately from every measured figure.
+Scheduling, KV layout and CUDA graphs (`EngineConfig.cuda_graphs`, used by the decode step on
+CUDA) are engine settings, so each combination needs its own engine; exit depths are per request,
+so fixed-depth and traced runs share one. Weights are read from the checkpoint on local disk for
+every engine (the OS page cache keeps the later reads cheap); start-up time is reported separately
+from every measured figure.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import torch
 from loopserve.bench.floor import ModelBytes
 from loopserve.bench.sweep_spec import EngineKey
 from loopserve.config import EngineConfig
+from loopserve.depth.trace import D2_6
 from loopserve.engine.engine import Engine
-from loopserve.engine.trace import D2_6
+from loopserve.runner.model_runner import ModelRunner
+from loopserve.runner.setup import build_runner
 
 # Device memory still allocated after the engines are freed that is worth a warning.
 LEAK_WARNING_BYTES = 1 << 30
@@ -46,18 +48,18 @@ class EngineSettings:
     gpu_memory_utilization: float  # split evenly between engines that are alive together
     num_kv_pages: int | None  # None: sized from memory
     seed: int
-    decode_mode: str  # "auto" (device-resident decode on CUDA), "host" or "device"
 
 
 @dataclass(frozen=True, slots=True)
 class BuiltEngine:
     engine: Engine
+    runner: ModelRunner  # the engine's runner (the weights the floor is computed from)
     key: EngineKey
     startup_s: float  # seconds to construct the engine (weights, KV cache, graphs if eager)
 
 
 def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float) -> EngineConfig:
-    return EngineConfig(
+    return EngineConfig.from_options(
         model=settings.model,
         load_format="auto",
         device=settings.device,
@@ -74,7 +76,6 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         exit_mode="trace",
         trace_distribution=D2_6,
         seed=settings.seed,
-        decode_mode=settings.decode_mode,
         cuda_graphs=key.graphs,
     )
 
@@ -99,16 +100,18 @@ class EnginePool:
             config = engine_config(self.settings, key, (index + 1) / len(keys))
             _say(f"building engine {_describe(key)} ...")
             started = time.monotonic()
-            engine = Engine(config)
+            runner = build_runner(config)
+            engine = Engine(config, runner)
             startup = time.monotonic() - started
-            _say(f"  ready in {startup:.1f} s ({engine.runtime.num_kv_pages} KV pages)")
-            self._engines[key] = BuiltEngine(engine, key, startup)
+            _say(f"  ready in {startup:.1f} s ({engine.info.num_kv_pages} KV pages)")
+            self._engines[key] = BuiltEngine(engine, runner, key, startup)
         return dict(self._engines)
 
     def close(self) -> None:
         """Free every engine and give its device memory back before another is built."""
         device_type = next(
-            (built.engine.runtime.device.type for built in self._engines.values()), None
+            (torch.device(built.engine.info.device).type for built in self._engines.values()),
+            None,
         )
         self._engines.clear()
         gc.collect()
@@ -119,10 +122,10 @@ class EnginePool:
                 _say(f"warning: {left / 2**30:.1f} GiB still allocated after freeing the engines")
 
 
-def model_bytes(engine: Engine) -> ModelBytes:
+def model_bytes(runner: ModelRunner) -> ModelBytes:
     """The model's sizes for the floor, from the loaded weights themselves."""
     core_bytes = core_params = lm_head_bytes = 0
-    for name, parameter in engine.runner.model.named_parameters():
+    for name, parameter in runner.model.named_parameters():
         size = parameter.numel() * parameter.element_size()
         if name.startswith("model.layers.") or name == "model.norm.weight":
             core_bytes += size
@@ -132,7 +135,7 @@ def model_bytes(engine: Engine) -> ModelBytes:
     return ModelBytes(
         core_weight_bytes=core_bytes,
         lm_head_bytes=lm_head_bytes,
-        kv_bytes_per_token_plane=engine.runtime.kv_bytes_per_page // engine.config.block_size,
+        kv_bytes_per_token_plane=runner.info.kv_bytes_per_page // runner.decode.kv.block_size,
         core_params=core_params,
     )
 

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from loopserve.attention.base import AttentionSpec
-from loopserve.attention.metadata import AttentionMetadata
 from loopserve.attention.triton_backend import TritonAttentionBackend
-from loopserve.runner.kv_storage import KVStorage
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.storage import KVStorage
 
 COPY_BANDWIDTH = 4.28e12  # bytes/s, measured copy bandwidth of the H200 (BENCHMARKS.md)
 BF16_MATMUL = 790e12  # FLOP/s, measured bf16 matmul ceiling of the H200

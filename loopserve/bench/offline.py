@@ -106,12 +106,6 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--num-kv-pages", type=int, default=None, help="exact KV pages (default: sized from memory)"
     )
-    group.add_argument(
-        "--decode-mode",
-        default="auto",
-        choices=("auto", "host", "device"),
-        help="auto: the device-resident decode step on CUDA, host-driven on the CPU",
-    )
     group.add_argument("--temperature", type=float, default=1.0)
     group.add_argument("--seed", type=int, default=0)
 
@@ -278,7 +272,6 @@ def _engine_settings(
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_pages=args.num_kv_pages,
         seed=args.seed,
-        decode_mode=args.decode_mode,
     )
 
 

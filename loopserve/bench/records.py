@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from loopserve.bench.floor import FLOOR_METHOD, Ceilings, ModelBytes, per_token_floor_s
 from loopserve.bench.sweep_spec import RunSpec, Workload
-from loopserve.engine.trace import D2_6
+from loopserve.depth.trace import D2_6
 
 if TYPE_CHECKING:
     from loopserve.bench.engine_pool import BuiltEngine
@@ -49,27 +49,27 @@ def spec_config(spec: RunSpec, *, temperature: float, seed: int) -> Record:
 
 def engine_fields(built: BuiltEngine) -> Record:
     """What the engine resolved at start-up."""
-    config, runtime = built.engine.config, built.engine.runtime
+    config, info = built.engine.config, built.engine.info
+    scheduler = config.scheduler
     return {
-        "dtype": str(runtime.dtype).removeprefix("torch."),
-        "attention_backend": runtime.attention_backend,
-        "num_kv_pages": runtime.num_kv_pages,
-        "kv_cache_gib": runtime.num_kv_pages * runtime.kv_bytes_per_page / 2**30,
-        "block_size": config.block_size,
-        "max_num_seqs": config.max_num_seqs,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "prefill_chunk_size": config.prefill_chunk_size,
-        "max_model_len": runtime.max_model_len,
-        "decode_on_device": config.decode_on_device(),
+        "dtype": info.dtype,
+        "attention_backend": info.attention_backend,
+        "num_kv_pages": info.num_kv_pages,
+        "kv_cache_gib": info.num_kv_pages * info.kv_bytes_per_page / 2**30,
+        "block_size": scheduler.block_size,
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "prefill_chunk_size": scheduler.prefill_chunk_size,
+        "max_model_len": info.max_model_len,
         "async_scheduling": config.async_scheduling,
-        "cuda_graphs_active": built.engine.runner.graphs is not None,
+        "cuda_graphs_active": info.cuda_graphs,
     }
 
 
 def floor_record(
     model: ModelBytes, ceilings: Ceilings, num_loops: int, workloads: list[Workload]
 ) -> Record:
-    """Ceilings, model sizes and the batch-1 full-depth floor per token (ARCHITECTURE.md §5
+    """Ceilings, model sizes and the batch-1 full-depth floor per token (docs/benchmarks.md
     gives ≈ 2.35 ms for Ouro-1.4B on an H200, weights only)."""
     with_kv = {
         # A decode token of this workload sees prompt_len + output_len / 2 tokens on average.

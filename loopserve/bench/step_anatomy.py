@@ -17,12 +17,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from loopserve.engine.scheduler_output import SamplingInfo
 from loopserve.models.loader import dummy_model
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.sample.sampler import SamplingBatch, sample
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingInfo, SamplingParams
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

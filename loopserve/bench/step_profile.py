@@ -1,9 +1,10 @@
 """Profile the steady-state decode step of an Ouro-1.4B-shaped model on a GPU.
 
 Owns: `python -m loopserve.bench.step_profile`, which prints (1) the wall time of `Engine.step`
-split into schedule / launch / wait / update, (2) the device time of one decode step (graph
-replay and eager), and (3) the kernels of one eager step by device time (torch.profiler).
-Must not: assert speed; it is a diagnostic for finding what a step spends its time on.
+split into launching the step, waiting for its results and the host's own work, (2) the device
+time of one decode step (graph replay and eager), and (3) the kernels of one eager step by device
+time (torch.profiler). Must not: assert speed, or reach into the engine: it hands the engine a
+runner that times the real one, and drives the decode step through the runner's public methods.
 """
 
 from __future__ import annotations
@@ -20,19 +21,55 @@ from torch.profiler import ProfilerActivity, profile
 
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
+from loopserve.engine.runner_api import RunnerInfo
+from loopserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from loopserve.models.ouro_config import OuroConfig
+from loopserve.runner.decode_step import SamplingKind
+from loopserve.runner.model_runner import ModelRunner, PendingOutput
+from loopserve.runner.setup import build_runner
 from loopserve.sampling_params import SamplingParams
+
+
+class TimedRunner:
+    """The real runner, with the host time spent launching steps and waiting for their results."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.launch_s = 0.0
+        self.wait_s = 0.0
+
+    @property
+    def info(self) -> RunnerInfo:
+        return self.runner.info
+
+    def execute(self, scheduled: SchedulerOutput) -> _TimedPending:
+        started = time.perf_counter()
+        pending = self.runner.execute(scheduled)
+        self.launch_s += time.perf_counter() - started
+        return _TimedPending(pending, self)
+
+
+class _TimedPending:
+    def __init__(self, pending: PendingOutput, owner: TimedRunner) -> None:
+        self._pending = pending
+        self._owner = owner
+
+    def result(self) -> RunnerOutput:
+        started = time.perf_counter()
+        output = self._pending.result()
+        self._owner.wait_s += time.perf_counter() - started
+        return output
 
 
 def steady_engine(
     concurrency: int, temperature: float, model_dir: Path, max_model_len: int | None
-) -> Engine:
-    engine = Engine(
-        EngineConfig(
-            model=str(model_dir), load_format="dummy", device="cuda", max_model_len=max_model_len,
-            max_num_seqs=max(concurrency, 8), gpu_memory_utilization=0.4,
-        )
+) -> tuple[Engine, TimedRunner]:
+    config = EngineConfig.from_options(
+        model=str(model_dir), load_format="dummy", device="cuda", max_model_len=max_model_len,
+        max_num_seqs=max(concurrency, 8), gpu_memory_utilization=0.4,
     )  # fmt: skip
+    runner = TimedRunner(build_runner(config))
+    engine = Engine(config, runner)
     generator = torch.Generator().manual_seed(0)
     for _ in range(concurrency):
         prompt = torch.randint(0, 49152, (512,), generator=generator).tolist()
@@ -42,74 +79,61 @@ def steady_engine(
         engine.step()
     for _ in range(20):
         engine.step()
-    return engine
+    return engine, runner
 
 
-def step_breakdown(engine: Engine, steps: int = 50) -> dict[str, float]:
-    """Mean milliseconds per step of each part of `Engine.step` (async pipeline kept)."""
-    totals = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "update": 0.0}
+def step_breakdown(engine: Engine, runner: TimedRunner, steps: int = 50) -> dict[str, float]:
+    """Mean milliseconds per `Engine.step` (async pipeline kept) and its parts."""
+    runner.launch_s = runner.wait_s = 0.0
     start = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
-        scheduled = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        pending = engine.runner.execute(scheduled)
-        t2 = time.perf_counter()
-        previous, engine._in_flight = engine._in_flight, (scheduled, pending)
-        if previous is not None:
-            result = previous[1].result()
-            t3 = time.perf_counter()
-            changed = engine.scheduler.update(previous[0], result)
-            now = time.monotonic()
-            for request in changed:
-                engine._after_token(request, now)
-            t4 = time.perf_counter()
-            totals["wait"] += t3 - t2
-            totals["update"] += t4 - t3
-        totals["schedule"] += t1 - t0
-        totals["launch"] += t2 - t1
-    totals["total"] = time.perf_counter() - start
-    return {name: 1000 * value / steps for name, value in totals.items()}
+        engine.step()
+    total = time.perf_counter() - start
+    parts = {"launch": runner.launch_s, "wait": runner.wait_s}
+    parts["host"] = total - runner.launch_s - runner.wait_s  # schedule, update, detokenize
+    parts["total"] = total
+    return {name: 1000 * value / steps for name, value in parts.items()}
 
 
-def device_step_ms(engine: Engine, graphs: bool, repeats: int = 30) -> float:
-    """Device time of one decode step over the engine's active slots (events around it)."""
-    decoder = engine.runner.decoder
-    assert decoder is not None
-    slots = list(engine.scheduler.device_slots._requests)  # type: ignore[union-attr]
-    rows, kind = max(slots) + 1, decoder.sampling_kind(slots)
-    saved = [tensor.clone() for tensor in decoder.state_tensors()]
+def _decode_rows(engine: Engine, runner: ModelRunner) -> tuple[int, SamplingKind]:
+    slots = list(engine.scheduler.decode_slots)
+    return max(slots) + 1, runner.decode.sampling_kind(slots)
+
+
+def device_step_ms(engine: Engine, runner: ModelRunner, graphs: bool, repeats: int = 30) -> float:
+    """Device time of one decode step over the engine's live slots (events around it); the
+    step's state is restored afterwards."""
+    rows, kind = _decode_rows(engine, runner)
+    saved = [tensor.clone() for tensor in runner.decode.state_tensors()]
 
     def once() -> None:
-        if graphs and engine.runner.graphs is not None:
-            engine.runner.graphs.run(rows, kind)
+        if graphs:
+            runner.run_decode_step(rows, kind)
         else:
-            decoder.step(rows, kind)
+            runner.decode.step(rows, kind)
 
-    once()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
+    with torch.inference_mode():
         once()
-    end.record()
-    end.synchronize()
-    for tensor, copy in zip(decoder.state_tensors(), saved, strict=True):
-        tensor.copy_(copy)
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(repeats):
+            once()
+        end.record()
+        end.synchronize()
+        for tensor, copy in zip(runner.decode.state_tensors(), saved, strict=True):
+            tensor.copy_(copy)
     return begin.elapsed_time(end) / repeats
 
 
-def top_kernels(engine: Engine, count: int = 15) -> list[dict[str, object]]:
-    decoder = engine.runner.decoder
-    assert decoder is not None
-    slots = list(engine.scheduler.device_slots._requests)  # type: ignore[union-attr]
-    rows, kind = max(slots) + 1, decoder.sampling_kind(slots)
-    saved = [tensor.clone() for tensor in decoder.state_tensors()]
+def top_kernels(engine: Engine, runner: ModelRunner, count: int = 15) -> list[dict[str, object]]:
+    rows, kind = _decode_rows(engine, runner)
+    saved = [tensor.clone() for tensor in runner.decode.state_tensors()]
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
-        decoder.step(rows, kind)
+        runner.decode.step(rows, kind)
         torch.cuda.synchronize()
-    for tensor, copy in zip(decoder.state_tensors(), saved, strict=True):
-        tensor.copy_(copy)
+        for tensor, copy in zip(runner.decode.state_tensors(), saved, strict=True):
+            tensor.copy_(copy)
     events = sorted(
         prof.key_averages(), key=lambda e: getattr(e, "device_time_total", 0.0), reverse=True
     )
@@ -141,18 +165,21 @@ def main() -> int:
         model_dir = Path(directory)
         (model_dir / "config.json").write_text(json.dumps(OuroConfig().to_hf_dict()))
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            engine = steady_engine(concurrency, args.temperature, model_dir, args.max_model_len)
+            engine, timed = steady_engine(
+                concurrency, args.temperature, model_dir, args.max_model_len
+            )
+            runner = timed.runner
             record: dict[str, object] = {
                 "concurrency": concurrency,
                 "max_model_len": engine.max_model_len,
                 "temperature": args.temperature,
+                "step_ms": step_breakdown(engine, timed),
+                "device_graph_ms": device_step_ms(engine, runner, graphs=True),
+                "device_eager_ms": device_step_ms(engine, runner, graphs=False),
+                "top_kernels": top_kernels(engine, runner),
             }
-            record["step_ms"] = step_breakdown(engine)
-            record["device_graph_ms"] = device_step_ms(engine, graphs=True)
-            record["device_eager_ms"] = device_step_ms(engine, graphs=False)
-            record["top_kernels"] = top_kernels(engine)
             print(json.dumps(record), flush=True)
-            del engine
+            del engine, timed, runner
             gc.collect()
             torch.cuda.empty_cache()
     return 0

@@ -17,6 +17,8 @@ import sys
 import time
 from collections.abc import Callable
 
+import torch
+
 from loopserve.bench.closed_loop import RequestSpec, make_requests, run_closed_loop
 from loopserve.bench.engine_pool import (
     BuiltEngine,
@@ -146,7 +148,7 @@ class SweepRunner:
         concurrency = spec.point.concurrency
         output_len = spec.point.workload.output_len
         requests = self._requests(built, spec, trial + 1, 2 * concurrency, output_len)
-        device = built.engine.runtime.device
+        device = torch.device(built.engine.info.device)
         reset_peak_memory(device)
         record = run_closed_loop(built.engine, requests, concurrency, f"trial{next(self._tags)}")
         peak = peak_memory_bytes(device)
@@ -162,7 +164,7 @@ class SweepRunner:
 
     def _model_bytes(self, built: BuiltEngine) -> ModelBytes:
         if self._model is None:
-            self._model = model_bytes(built.engine)
+            self._model = model_bytes(built.runner)
             loops = built.engine.model_config.num_loops
             floor = floor_record(self._model, self.ceilings, loops, self.workloads)
             self.emit(floor)

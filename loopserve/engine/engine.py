@@ -2,7 +2,8 @@
 
 Owns: request validation at the boundary, resolving per-request defaults (`ResolvedParams`), the
 schedule -> execute -> update loop, detokenization and stop strings, and statistics.
-Must not: touch device tensors (the runner does) or make batching decisions (the scheduler does).
+Must not: touch device tensors (the runner does), make batching decisions (the scheduler does),
+or import the runner: it drives whatever `Runner` it is handed (`engine.runner_api`).
 
 Lifecycle of a request: `add_request` validates and queues it -> `step` admits it when a slot and
 its KV reservation are free -> prompt chunks run through every loop -> the first token is sampled
@@ -16,64 +17,60 @@ import itertools
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
 from loopserve.config import EngineConfig
+from loopserve.depth.policy import ExitMode
+from loopserve.depth.trace import fit_model
 from loopserve.engine.detokenizer import IncrementalDetokenizer
 from loopserve.engine.kv_manager import KVCacheManager
+from loopserve.engine.runner_api import PendingStep, Runner, RunnerInfo, default_runner
 from loopserve.engine.scheduler import Scheduler
 from loopserve.engine.scheduler_output import SchedulerOutput
-from loopserve.engine.trace import validate_distribution
-from loopserve.models.builtin import resolve_model_dir
-from loopserve.models.loader import read_generation_defaults
+from loopserve.engine.stats import EngineStats
+from loopserve.models.generation_config import GenerationDefaults, read_generation_defaults
 from loopserve.outputs import RequestMetrics, RequestOutput
 from loopserve.request import Request
-from loopserve.runner.model_runner import PendingOutput
-from loopserve.runner.setup import build_runner
 from loopserve.sampling_params import ResolvedParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_pages_total: int  # usable pages (the null page excluded)
-    kv_pages_used: int
-    kv_pages_free: int
-    steps: int
-    decode_steps: int
-    # Occupancy: decode rows per decode step, and rows executed at each loop index.
-    mean_rows_per_decode_step: float
-    row_loops_by_loop: dict[int, int]
-    rows_per_step: dict[int, int]
-    prefill_tokens: int
-    generated_tokens: int
-
-
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """Drives a `Runner` one step at a time.
+
+    Args:
+        config: the engine's settings.
+        runner: what executes the steps; None builds the default runner for `config` (the
+            checkpoint on `config.device`). Tests and profilers pass their own.
+    """
+
+    def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
         self.config = config
-        model_dir = resolve_model_dir(config.model)
-        self.runner, self.runtime = build_runner(config, model_dir)
-        self.model_config = self.runner.model.config
-        validate_distribution(config.trace_distribution, self.model_config.num_loops)
-        self.tokenizer = Tokenizer.from_directory(model_dir)
-        generation = read_generation_defaults(model_dir)
+        self.runner = runner if runner is not None else default_runner(config)
+        self.info: RunnerInfo = self.runner.info
+        self.model_config = self.info.model_config
+        scheduler_config = config.scheduler
+        if scheduler_config.exit_mode is ExitMode.TRACE:
+            fit_model(scheduler_config.trace_distribution, self.model_config.num_loops)
+        model_dir = Path(self.info.model_dir) if self.info.model_dir is not None else None
+        self.tokenizer = Tokenizer.from_directory(model_dir) if model_dir is not None else None
+        generation = (
+            read_generation_defaults(model_dir) if model_dir is not None else GenerationDefaults()
+        )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids + generation.eos_token_ids)
-        self.kv = KVCacheManager(self.runtime.num_kv_pages, config.block_size)
-        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
+        self.kv = KVCacheManager(self.info.num_kv_pages, scheduler_config.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Device decode with async scheduling: the step launched last, not yet read back.
-        self._async = config.decode_on_device() and config.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # Async scheduling: the step launched last, not yet read back.
+        self._async = config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
 
     @property
     def max_model_len(self) -> int:
-        return self.runtime.max_model_len
+        return self.info.max_model_len
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -101,6 +98,12 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+            )
+        stop_ids = resolved.eos_token_ids | set(params.stop_token_ids)
+        if len(stop_ids) > self.info.max_stop_token_ids:
+            raise ValueError(
+                f"at most {self.info.max_stop_token_ids} end-of-sequence plus stop token ids per "
+                f"request, got {len(stop_ids)}"
             )
         request = Request(
             request_id=request_id,
@@ -188,8 +191,7 @@ class Engine:
         previous, self._in_flight = self._in_flight, (scheduled, pending)
         if previous is not None:
             outputs += self._complete(*previous)
-        synchronous = scheduled.prefill_chunks or scheduled.decode_rows or not self._async
-        if synchronous:
+        if scheduled.prefill_chunks or not self._async:
             outputs += self._read_back()
         return outputs
 
@@ -199,7 +201,7 @@ class Engine:
         self._in_flight = None
         return self._complete(scheduled, pending)
 
-    def _complete(self, scheduled: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
+    def _complete(self, scheduled: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         changed = self.scheduler.update(scheduled, pending.result())
         now = time.monotonic()
         return [self._after_token(request, now) for request in changed]

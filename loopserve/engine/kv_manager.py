@@ -2,35 +2,20 @@
 
 Owns: which page belongs to which (request, plane), and the admission arithmetic that keeps every
 admitted request able to finish. Must not: import torch or touch device memory (that is
-`runner.kv_storage.KVStorage`).
+`kv.storage.KVStorage`), or know what the planes mean (that is `kv.layout`).
 
-A request reserves, when it is admitted, every page it can ever need (`pages_needed`); pages are
-then drawn from that reservation as its tables grow, and both are returned when it finishes. Since
-the free list always covers all outstanding reservations, no admitted request can run out of
-pages: admission never deadlocks and nothing needs preempting. Page 0 is the null page and is never
-given out.
+A request reserves, when it is admitted, every page it can ever need (`KVLayout.pages_needed`);
+pages are then drawn from that reservation as its tables grow, and both are returned when it
+finishes. Since the free list always covers all outstanding reservations, no admitted request can
+run out of pages: admission never deadlocks and nothing needs preempting. Page 0 is the null page
+and is never given out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-NULL_PAGE = 0
-
-
-def pages_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def pages_needed(
-    kv_layout: str, num_loops: int, num_prompt_tokens: int, num_positions: int, block_size: int
-) -> int:
-    """Every page a request can ever hold: `num_positions` tokens with K/V in each of its
-    `num_loops` planes (`full`), or in its final plane plus the prompt in the others (`shared`)."""
-    if kv_layout == "full":
-        return num_loops * pages_for(num_positions, block_size)
-    prompt_pages = pages_for(num_prompt_tokens, block_size)
-    return (num_loops - 1) * prompt_pages + pages_for(num_positions, block_size)
+from loopserve.kv.pages import NULL_PAGE, pages_for
 
 
 @dataclass(slots=True)

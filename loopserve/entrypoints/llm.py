@@ -23,12 +23,12 @@ class LLM:
 
     Args:
         model: checkpoint directory (HF layout); None uses the built-in tiny model.
-        **engine_options: any `EngineConfig` field (device, dtype, kv_layout, attention_backend,
-            exit_mode, scheduling, max_num_seqs, seed, ...).
+        **engine_options: any setting of `EngineConfig` or its `SchedulerConfig` (device, dtype,
+            kv_layout, attention_backend, exit_mode, scheduling, max_num_seqs, seed, ...).
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self.engine = Engine(EngineConfig.from_options(model=model, **engine_options))
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -1,8 +1,9 @@
 """Exact teacher-forced scoring with gate-driven early exit, computed densely loop by loop.
 
 Owns: the log-probability of every next token of a batch of windows, and the loop after which
-each position exited, under the `full` KV layout (ARCHITECTURE.md §2) and the `ouro` exit mode.
-Must not: sample, batch requests, or use any exit arithmetic but `loopserve.models.exit_rule`.
+each position exited, under the `full` KV layout (docs/looped-models.md §3) and the `ouro` exit
+mode.
+Must not: sample, batch requests, or use any exit arithmetic but `loopserve.depth.exit_test`.
 
 Teacher forcing as the serial reference does it: position 0 of a window is the prompt and runs
 all `max_loops` loops; every later position is a forced token that runs loops until the exit rule
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loopserve.models.exit_rule import next_survival, threshold_reached
+from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
-from loopserve.train.looped_forward import causal_attention
+from loopserve.models.window_attention import causal_attention
 
 
 @dataclass(frozen=True, slots=True)

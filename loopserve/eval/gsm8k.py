@@ -45,30 +45,6 @@ class Completion:
 GenerateFn = Callable[[list[str]], list[Completion]]
 
 
-def llm_generate_fn(model: str | None, decoding: Decoding) -> GenerateFn:
-    """Greedy generation with `loopserve.LLM` under `decoding`, stopping at STOP_STRINGS."""
-    from loopserve import LLM, SamplingParams
-
-    llm = LLM(model, **decoding.engine)
-    params = SamplingParams(
-        max_tokens=decoding.max_tokens,
-        temperature=0.0,
-        stop=STOP_STRINGS,
-        exit_threshold=decoding.exit_threshold,
-        min_loops=decoding.min_loops,
-        max_loops=decoding.max_loops,
-    )
-
-    def generate(prompts: list[str]) -> list[Completion]:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        return [
-            Completion(out.text, len(out.token_ids), out.mean_exit_depth, out.finish_reason)
-            for out in outputs
-        ]
-
-    return generate
-
-
 def protocol_fingerprint(
     model_dir: Path, data_path: Path, num_problems: int, num_shots: int, decoding: Decoding
 ) -> dict[str, Any]:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
+from loopserve.data.corpus import load_split
+from loopserve.data.windows import eval_windows, token_stream
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.tokenizer import Tokenizer
-from loopserve.train.corpus import load_split
-from loopserve.train.data import eval_windows, token_stream
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.attention.metadata import AttentionMetadata
+from loopserve.kv.metadata import AttentionMetadata
 
 # Partition sizes start here and double until a row has at most MAX_PARTITIONS partitions.
 PARTITION_MIN = 256

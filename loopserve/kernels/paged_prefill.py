@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.attention.metadata import AttentionMetadata
 from loopserve.kernels.paged_decode import LOG2_E
+from loopserve.kv.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

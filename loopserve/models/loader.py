@@ -2,7 +2,7 @@
 
 Owns: finding the checkpoint files, validating every tensor name, shape and dtype against the config
 *before* allocating the model, and copying the weights onto the target device in the target dtype.
-Must not: execute checkpoint code, or read anything but config.json, generation_config.json and
+Must not: execute checkpoint code, or read anything but config.json, the safetensors index and
 safetensors files.
 """
 
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.ouro_config import ConfigError, OuroConfig
+from loopserve.models.ouro_config import OuroConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +36,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config, with what is wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationDefaults:
-    """What generation_config.json adds to config.json: extra end-of-sequence ids."""
-
-    eos_token_ids: tuple[int, ...] = ()
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -146,19 +138,6 @@ def validate_checkpoint(config: OuroConfig, files: dict[str, Path]) -> None:
                         f"tensor {name} in {path.name} has dtype {view.get_dtype()}; "
                         "only F32, BF16 and F16 weights are supported"
                     )
-
-
-def read_generation_defaults(directory: Path) -> GenerationDefaults:
-    path = directory / "generation_config.json"
-    if not path.exists():
-        return GenerationDefaults()
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: not valid JSON ({error})") from None
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return GenerationDefaults(eos_token_ids=tuple(int(token) for token in eos_ids))
 
 
 def _empty_model(config: OuroConfig, dtype: torch.dtype, device: torch.device) -> OuroForCausalLM:

@@ -1,7 +1,8 @@
 """The Ouro looped transformer: one shared stack of layers run several times per token.
 
-Owns: the model math of ARCHITECTURE.md §1 (sandwich-norm layers, RoPE, the final norm that ends
-every loop, the fp32 exit gate, the LM head). Must not: know about KV pages, batching or requests.
+Owns: the model math of docs/looped-models.md §1 (sandwich-norm layers, RoPE, the final norm that
+ends every loop, the fp32 exit gate, the LM head). Must not: know about KV pages, batching or
+requests.
 Attention is whatever `LoopContext.attention` does; the caller decides which KV a query sees.
 
 Shapes: T = tokens in the pass, H = hidden size, Nq/Nkv = query/KV heads, D = head dim.

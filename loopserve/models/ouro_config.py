@@ -240,3 +240,28 @@ def _validate(config: OuroConfig) -> None:
     for token in config.eos_token_ids:
         if not 0 <= token < config.vocab_size:
             raise ConfigError(f"eos_token_id {token} is outside the vocabulary")
+
+
+# Shapes that `loopserve make-checkpoint`, the benchmarks and the tests write (changes from
+# Ouro-1.4B's config.json, the defaults above).
+PRESETS: dict[str, dict[str, Any]] = {
+    "ouro-1.4b": {},
+    "ouro-2.6b": {"num_hidden_layers": 48},
+    "tiny": {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 2048,
+    },
+}
+
+
+def preset_config(name: str, overrides: dict[str, Any] | None = None) -> OuroConfig:
+    """The config of a named preset, with HF config.json fields in `overrides` changed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return OuroConfig.from_dict(OuroConfig().to_hf_dict() | PRESETS[name] | (overrides or {}))

@@ -1,8 +1,8 @@
 """Device page tables per (request slot, plane), and attention metadata built from them.
 
 Owns: the int32 table `[slot, plane, page index] -> page id` kept in step with the scheduler's
-`PageTableUpdate`s, and the construction of `AttentionMetadata` for decode rows and prompt chunks.
-Must not: decide anything; it mirrors the torch-free KV manager on the device.
+`PageTableUpdate`s, and the construction of `AttentionMetadata` for the decode step and prompt
+chunks. Must not: decide anything; it mirrors the torch-free KV manager on the device.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from itertools import pairwise
 
 import torch
 
-from loopserve.attention.metadata import AttentionMetadata
-from loopserve.engine.kv_manager import NULL_PAGE, pages_for
 from loopserve.engine.scheduler_output import PageTableUpdate
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.pages import NULL_PAGE, pages_for
 
 
 class BlockTables:
@@ -45,30 +45,29 @@ class BlockTables:
 
     def decode_metadata(
         self,
-        slots: torch.Tensor,
-        planes: torch.Tensor,
-        positions: torch.Tensor,
-        positions_host: list[int],
+        ran: torch.Tensor,  # [R] bool: the row of slot r runs this step
+        planes: torch.Tensor,  # [R] int64: the plane slot r writes and reads
+        positions: torch.Tensor,  # [R] int64: the position of slot r's in-flight token
+        host_lengths: bool,
     ) -> AttentionMetadata:
-        """One query per row; row r reads and writes plane planes[r] of slot slots[r].
-
-        slots, planes, positions: [R] int64 on the device.
-        """
-        rows = len(positions_host)
-        max_seq_len = max(positions_host) + 1
-        width = pages_for(max_seq_len, self.block_size)
-        page_table = self.tables[slots, planes, :width]  # [R, width]
-        row_index = torch.arange(rows, device=self.device)
-        seq_lens = (positions + 1).to(torch.int32)
+        """One query per slot 0..R-1, built on the device with no host synchronisation unless
+        `host_lengths` (for backends that loop over rows on the host). Rows that do not run have
+        length 0 and write into the null page; every row's table spans the whole context."""
+        rows = ran.shape[0]
+        slot_index = torch.arange(rows, device=self.device)
+        page_table = self.tables[slot_index, planes]  # [R, P]
+        slots = self.flat_slots(page_table, slot_index, positions)
+        seq_lens = torch.where(ran, positions + 1, torch.zeros_like(positions)).to(torch.int32)
+        host = seq_lens.tolist() if host_lengths else None
         return AttentionMetadata(
             query_start=torch.arange(rows + 1, dtype=torch.int32, device=self.device),
             seq_lens=seq_lens,
             page_table=page_table,
-            slot_mapping=self.flat_slots(page_table, row_index, positions),
+            slot_mapping=torch.where(ran, slots, NULL_PAGE * self.block_size),
             max_query_len=1,
-            max_seq_len=max_seq_len,
-            query_start_host=list(range(rows + 1)),
-            seq_lens_host=[position + 1 for position in positions_host],
+            max_seq_len=page_table.shape[1] * self.block_size,
+            query_start_host=None if host is None else list(range(rows + 1)),
+            seq_lens_host=host,
         )
 
     def prefill_metadata(

@@ -1,4 +1,4 @@
-"""CUDA graphs of the device-resident decode step, one per (row bucket, sampling kind).
+"""CUDA graphs of the decode step, one per (row bucket, sampling kind).
 
 Owns: bucket choice, lazy capture (a warm-up run on a side stream with the slot state saved and
 restored, then capture into one shared memory pool) and replay. Must not: change what a step
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loopserve.runner.slot_decoder import SamplingKind, SlotDecoder
+from loopserve.runner.decode_step import DecodeStep, SamplingKind
 
 # Padded row counts that get a graph; larger batches run eagerly.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
@@ -26,9 +26,9 @@ class _Captured:
     output: torch.Tensor  # the step's result record, written by every replay
 
 
-class GraphedSlotStep:
-    def __init__(self, decoder: SlotDecoder, max_rows: int) -> None:
-        self.decoder = decoder
+class GraphedDecodeStep:
+    def __init__(self, step: DecodeStep, max_rows: int) -> None:
+        self.step = step
         self.buckets = [bucket for bucket in ROW_BUCKETS if bucket <= max_rows]
         self._graphs: dict[tuple[int, SamplingKind], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -44,7 +44,7 @@ class GraphedSlotStep:
         """The result record of one step over slots [0, rows)."""
         bucket = self.bucket(rows)
         if bucket is None:
-            return self.decoder.step(rows, kind)
+            return self.step.step(rows, kind)
         captured = self._graphs.get((bucket, kind))
         if captured is None:
             captured = self._capture(bucket, kind)
@@ -53,18 +53,18 @@ class GraphedSlotStep:
         return captured.output[:rows]
 
     def _capture(self, rows: int, kind: SamplingKind) -> _Captured:
-        state = self.decoder.state_tensors()
+        state = self.step.state_tensors()
         saved = [tensor.clone() for tensor in state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             # Compile kernels and size workspaces outside the capture. The K/V it writes are
             # written again, identically, by the replay that follows from the restored state.
-            self.decoder.step(rows, kind)
+            self.step.step(rows, kind)
             for tensor, copy in zip(state, saved, strict=True):
                 tensor.copy_(copy)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            output = self.decoder.step(rows, kind)
+            output = self.step.step(rows, kind)
         return _Captured(graph, output)

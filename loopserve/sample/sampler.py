@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loopserve.engine.scheduler_output import SamplingInfo
 from loopserve.sample.noise import gumbel_noise
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingInfo, SamplingParams
 
 
 def effective_top_k(params: SamplingParams, vocab_size: int) -> int:

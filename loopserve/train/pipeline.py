@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from loopserve.train import corpus
+from loopserve.data import corpus
+from loopserve.data.windows import BatchSampler, eval_windows, token_stream
 from loopserve.train.config import TrainTinyConfig
-from loopserve.train.data import BatchSampler, eval_windows, token_stream
 from loopserve.train.export import check_output_directory, export_checkpoint
 from loopserve.train.looped_forward import mean_loop_losses
 from loopserve.train.progress import ProgressLog

@@ -13,9 +13,9 @@ import time
 import torch
 from torch import nn
 
+from loopserve.data.windows import BatchSampler
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.train.config import ModelShape, Stage1Config
-from loopserve.train.data import BatchSampler
 from loopserve.train.looped_forward import (
     loop_hidden_states,
     mean_loop_losses,

@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from loopserve.data.windows import BatchSampler
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.train.config import Stage2Config
-from loopserve.train.data import BatchSampler
 from loopserve.train.looped_forward import (
     gate_logit,
     loop_hidden_states,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from loopserve.train.corpus import CorpusFile
+from loopserve.data.corpus import CorpusFile
 
 # The only special token; id 0, ends every document and is the model's bos and eos.
 END_OF_TEXT = "<|endoftext|>"

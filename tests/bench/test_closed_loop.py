@@ -16,17 +16,14 @@ from tests.conftest import TINY_CONFIG
 WORKLOAD = Workload(prompt_len=6, output_len=5)
 
 
-def _run(
-    checkpoint: Path, concurrency: int, exits: str, scheduling: str, decode_mode: str
-) -> TrialRecord:
+def _run(checkpoint: Path, concurrency: int, exits: str, scheduling: str) -> TrialRecord:
     engine = Engine(
-        EngineConfig(
+        EngineConfig.from_options(
             model=str(checkpoint),
             num_kv_pages=200,
             max_num_seqs=4,  # more slots than C: only the closed loop keeps C in flight
             scheduling=scheduling,
             exit_mode="trace",
-            decode_mode=decode_mode,
         )
     )
     requests = make_requests(
@@ -43,12 +40,9 @@ def _run(
     return record
 
 
-@pytest.mark.parametrize("decode_mode", ["host", "device"])
 @pytest.mark.parametrize("concurrency", [1, 2])
-def test_closed_loop_keeps_c_in_flight(
-    tiny_checkpoint: Path, concurrency: int, decode_mode: str
-) -> None:
-    record = _run(tiny_checkpoint, concurrency, "d2.6", "refill", decode_mode)
+def test_closed_loop_keeps_c_in_flight(tiny_checkpoint: Path, concurrency: int) -> None:
+    record = _run(tiny_checkpoint, concurrency, "d2.6", "refill")
     assert len(record.requests) == 2 * concurrency
     assert sorted(r.request_id for r in record.requests) == [
         f"t-{index}" for index in range(2 * concurrency)
@@ -65,13 +59,10 @@ def test_closed_loop_keeps_c_in_flight(
     assert record.peak_kv_pages > 0
 
 
-@pytest.mark.parametrize("decode_mode", ["host", "device"])
-def test_fixed_exits_run_every_loop_and_trace_exits_vary(
-    tiny_checkpoint: Path, decode_mode: str
-) -> None:
-    fixed = _run(tiny_checkpoint, 2, "fixed", "refill", decode_mode)
+def test_fixed_exits_run_every_loop_and_trace_exits_vary(tiny_checkpoint: Path) -> None:
+    fixed = _run(tiny_checkpoint, 2, "fixed", "refill")
     assert {d for r in fixed.requests for d in r.exit_depths} == {TINY_CONFIG.num_loops}
-    traced = _run(tiny_checkpoint, 2, "d2.6", "refill", decode_mode)
+    traced = _run(tiny_checkpoint, 2, "d2.6", "refill")
     depths = {d for r in traced.requests for d in r.exit_depths[1:]}
     assert depths <= set(range(1, TINY_CONFIG.num_loops + 1)) and len(depths) > 1
     assert all(r.exit_depths[0] == TINY_CONFIG.num_loops for r in traced.requests)
@@ -80,6 +71,6 @@ def test_fixed_exits_run_every_loop_and_trace_exits_vary(
 def test_every_scheduling_gets_the_same_trace(tiny_checkpoint: Path) -> None:
     by_mode = {}
     for scheduling in ("refill", "no_refill"):
-        record = _run(tiny_checkpoint, 2, "d2.6", scheduling, "host")
+        record = _run(tiny_checkpoint, 2, "d2.6", scheduling)
         by_mode[scheduling] = {r.request_id: r.exit_depths for r in record.requests}
     assert by_mode["refill"] == by_mode["no_refill"]

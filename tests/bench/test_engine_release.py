@@ -36,7 +36,7 @@ def _runner(checkpoint: Path, records: list[Record]) -> SweepRunner:
     settings = EngineSettings(
         model=str(checkpoint), device="cpu", dtype="auto", attention_backend="auto",
         max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=64, max_model_len=None,
-        gpu_memory_utilization=0.9, num_kv_pages=40, seed=0, decode_mode="auto",
+        gpu_memory_utilization=0.9, num_kv_pages=40, seed=0,
     )  # fmt: skip
     return SweepRunner(
         EnginePool(settings),

@@ -17,7 +17,7 @@ from loopserve.bench.floor import (
     work_counts,
 )
 from loopserve.config import EngineConfig
-from loopserve.engine.engine import Engine
+from loopserve.runner.setup import build_runner
 from tests.conftest import TINY_CONFIG
 
 MODEL = ModelBytes(core_weight_bytes=1000, lm_head_bytes=100, kv_bytes_per_token_plane=10,
@@ -95,7 +95,7 @@ def test_ouro_1_4b_batch_1_floor_is_2_35_ms_on_an_h200() -> None:
 
 
 def test_model_bytes_counts_layers_and_final_norm(tiny_checkpoint: Path) -> None:
-    engine = Engine(EngineConfig(model=str(tiny_checkpoint), num_kv_pages=20))
+    runner = build_runner(EngineConfig.from_options(model=str(tiny_checkpoint), num_kv_pages=20))
     c = TINY_CONFIG
     q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_layer = (
@@ -103,7 +103,7 @@ def test_model_bytes_counts_layers_and_final_norm(tiny_checkpoint: Path) -> None
         + 3 * c.hidden_size * c.intermediate_size + 4 * c.hidden_size
     )  # fmt: skip
     core_params = c.num_hidden_layers * per_layer + c.hidden_size
-    sizes = model_bytes(engine)
+    sizes = model_bytes(runner)
     assert sizes.core_params == core_params
     assert sizes.core_weight_bytes == 4 * core_params  # float32 on the CPU
     assert sizes.lm_head_bytes == 4 * c.vocab_size * c.hidden_size

@@ -13,7 +13,7 @@ from loopserve.entrypoints.cli import main
 
 CONFIG_KEYS = {
     "workload", "concurrency", "num_requests", "exits", "scheduling", "graphs", "kv_layout",
-    "trials", "dtype", "attention_backend", "num_kv_pages", "decode_on_device",
+    "trials", "dtype", "attention_backend", "num_kv_pages", "cuda_graphs_active",
 }  # fmt: skip
 
 

@@ -32,7 +32,7 @@ def test_engine_frees_every_page(
     tiny_checkpoint: Path, actions, layout: str, scheduling: str
 ) -> None:  # type: ignore[no-untyped-def]
     engine = Engine(
-        EngineConfig(
+        EngineConfig.from_options(
             model=str(tiny_checkpoint),
             kv_layout=layout,
             scheduling=scheduling,

@@ -13,7 +13,7 @@ from loopserve.sampling_params import SamplingParams
 
 
 def test_fixed_depth_full_layout_matches_cache_free_recompute(tiny_checkpoint: Path) -> None:
-    engine = Engine(EngineConfig(model=str(tiny_checkpoint), num_kv_pages=8))
+    engine = Engine(EngineConfig.from_options(model=str(tiny_checkpoint), num_kv_pages=8))
     model = engine.runner.model
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     params = engine.resolve(SamplingParams(max_tokens=10, temperature=0.0, exit_threshold=1.0))
@@ -28,7 +28,7 @@ def test_fixed_depth_full_layout_matches_cache_free_recompute(tiny_checkpoint: P
 
 
 def test_teacher_forcing_returns_the_forced_tokens(tiny_checkpoint: Path) -> None:
-    engine = Engine(EngineConfig(model=str(tiny_checkpoint), num_kv_pages=8))
+    engine = Engine(EngineConfig.from_options(model=str(tiny_checkpoint), num_kv_pages=8))
     params = engine.resolve(SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.6))
     forced = [10, 20, 30, 40, 50]
     out = SerialReference(engine.runner.model).generate([1, 2, 3], params, forced_tokens=forced)

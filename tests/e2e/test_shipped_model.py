@@ -15,10 +15,10 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("decode_mode", ["host", "device"])
+@pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
 @pytest.mark.parametrize("kv_layout", ["full", "shared"])
-def test_engine_equals_reference_on_the_builtin_model(kv_layout: str, decode_mode: str) -> None:
-    llm = LLM(dtype="float32", kv_layout=kv_layout, decode_mode=decode_mode, num_kv_pages=512)
+def test_engine_equals_reference_on_the_builtin_model(kv_layout: str, scheduling: str) -> None:
+    llm = LLM(dtype="float32", kv_layout=kv_layout, scheduling=scheduling, num_kv_pages=512)
     params = [
         SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i, exit_threshold=0.5)
         for i in range(len(PROMPTS))

@@ -11,8 +11,8 @@ import math
 
 import torch
 
+from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.eval.early_exit_perplexity import ExitSettings
-from loopserve.models.exit_rule import next_survival, threshold_reached
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loopserve.entrypoints.cli.make_checkpoint import PRESETS
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
 from loopserve.models.checkpoint_writer import RandomInit, random_state_dict
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.ouro_config import preset_config
 from loopserve.reference import SerialReference
 from loopserve.sampling_params import ResolvedParams, SamplingParams
 from tests.eval.serial_scoring import serial_score
@@ -26,7 +25,7 @@ SETTINGS = [
 @pytest.fixture(scope="module")
 def model() -> OuroForCausalLM:
     """A random GQA model whose gate spreads exits over every depth."""
-    config = OuroConfig.from_dict(OuroConfig().to_hf_dict() | PRESETS["tiny"])
+    config = preset_config("tiny")
     model = OuroForCausalLM(config)
     init = RandomInit(gate_scale=2.0, gate_bias=-1.0)
     model.load_state_dict(random_state_dict(config, seed=1, init=init), strict=False)

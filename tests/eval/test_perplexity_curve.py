@@ -10,17 +10,16 @@ import pytest
 import torch
 
 from loopserve.entrypoints.cli import main
-from loopserve.entrypoints.cli.make_checkpoint import PRESETS
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
 from loopserve.eval.perplexity import CurvePoint, curve_settings, evaluate_setting
 from loopserve.models.checkpoint_writer import RandomInit, random_state_dict
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.ouro_config import preset_config
 
 
 @pytest.fixture(scope="module")
 def model() -> OuroForCausalLM:
-    config = OuroConfig.from_dict(OuroConfig().to_hf_dict() | PRESETS["tiny"])
+    config = preset_config("tiny")
     model = OuroForCausalLM(config)
     init = RandomInit(gate_scale=2.0, gate_bias=-1.0)
     model.load_state_dict(random_state_dict(config, seed=2, init=init), strict=False)

@@ -6,6 +6,7 @@ Run on a GPU machine with `pytest -m gpu tests/gpu`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -84,23 +85,27 @@ def mixed_params(count: int, threshold: float) -> list[SamplingParams]:
     ]
 
 
-@pytest.mark.parametrize("decode_mode", ["host", "device"])
+@pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("layout", ["full", "shared"])
 def test_fp32_engine_equals_reference(
-    checkpoint: Path, layout: str, mode: str, decode_mode: str
+    checkpoint: Path, layout: str, mode: str, scheduling: str
 ) -> None:
     exit_mode, threshold = MODES[mode]
     engine = Engine(
-        EngineConfig(
+        EngineConfig.from_options(
             model=str(checkpoint), device="cuda", dtype="float32", kv_layout=layout,
-            exit_mode=exit_mode, decode_mode=decode_mode, attention_backend="triton",
+            exit_mode=exit_mode, scheduling=scheduling, attention_backend="triton",
             max_num_seqs=16, num_kv_pages=2048, prefill_chunk_size=64,
         )
     )  # fmt: skip
     batch, params = prompts(10), mixed_params(10, threshold)
     results = run(engine, batch, params)
-    reference = SerialReference(engine.runner.model, kv_layout=layout, exit_mode=exit_mode)
+    reference = SerialReference(
+        engine.runner.model,  # type: ignore[attr-defined]
+        kv_layout=layout,
+        exit_mode=exit_mode,
+    )
     for index, (prompt, request_params) in enumerate(zip(batch, params, strict=True)):
         expected = reference.generate(prompt, engine.resolve(request_params))
         assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
@@ -108,7 +113,7 @@ def test_fp32_engine_equals_reference(
 
 def bf16_engine(checkpoint: Path, **options: object) -> Engine:
     return Engine(
-        EngineConfig(
+        EngineConfig.from_options(
             model=str(checkpoint), device="cuda", dtype="bfloat16", exit_mode="ouro",
             max_num_seqs=64, num_kv_pages=8192, **options,  # type: ignore[arg-type]
         )
@@ -152,3 +157,24 @@ def test_steady_state_steps_do_not_synchronise(checkpoint: Path) -> None:
         torch.cuda.set_sync_debug_mode("default")
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_auto_runs_a_head_size_triton_does_not_cover_eagerly(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`auto` falls back to the torch backend without graphs (it used to refuse to start)."""
+    config = dataclasses.replace(GPU_CONFIG, head_dim=40)
+    directory = write_random_checkpoint(tmp_path_factory.mktemp("head40"), config)
+    engine = Engine(
+        EngineConfig.from_options(
+            model=str(directory), device="cuda", dtype="float32", num_kv_pages=256,
+            max_num_seqs=4,
+        )
+    )  # fmt: skip
+    assert (engine.info.attention_backend, engine.info.cuda_graphs) == ("torch", False)
+    batch, params = prompts(3, seed=4), mixed_params(3, 0.6)
+    results = run(engine, batch, params)
+    reference = SerialReference(engine.runner.model)  # type: ignore[attr-defined]
+    for index, (prompt, request_params) in enumerate(zip(batch, params, strict=True)):
+        expected = reference.generate(prompt, engine.resolve(request_params))
+        assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from loopserve.attention.metadata import AttentionMetadata
-from loopserve.runner.kv_storage import NULL_PAGE, KVStorage
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.pages import NULL_PAGE
+from loopserve.kv.storage import KVStorage
 
 
 @dataclass(frozen=True, slots=True)

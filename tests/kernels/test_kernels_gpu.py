@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from loopserve.attention.base import AttentionSpec
-from loopserve.attention.metadata import AttentionMetadata
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
+from loopserve.kv.metadata import AttentionMetadata
 
 from .batch_specs import (
     Batch,

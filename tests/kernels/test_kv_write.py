@@ -7,7 +7,7 @@ import torch
 
 from loopserve.attention.torch_backend import write_kv as reference_write_kv
 from loopserve.kernels.kv_write import write_kv
-from loopserve.runner.kv_storage import NULL_PAGE
+from loopserve.kv.pages import NULL_PAGE
 
 from .batch_specs import DECODE_SPECS, PREFILL_SPECS, HeadShape, build_batch
 

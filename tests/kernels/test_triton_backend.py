@@ -21,7 +21,7 @@ from loopserve.attention.registry import (
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.kernels import paged_prefill
-from loopserve.runner.kv_storage import NULL_PAGE
+from loopserve.kv.pages import NULL_PAGE
 
 from .batch_specs import (
     DECODE_SPECS,
@@ -157,11 +157,11 @@ def test_registered_before_torch() -> None:
 def test_auto_on_cpu_picks_torch_unless_interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = _spec(SHAPES[0], "cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert select_backend("auto", spec) is TorchAttentionBackend
+    assert select_backend("auto", spec).backend is TorchAttentionBackend
     with pytest.raises(BackendUnavailableError, match="runs on"):
         select_backend("triton", spec)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_backend("auto", spec) is TritonAttentionBackend
+    assert select_backend("auto", spec).backend is TritonAttentionBackend
 
 
 def test_capability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:

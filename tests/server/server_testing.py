@@ -36,9 +36,9 @@ def engine_options() -> dict[str, Any]:
 
 
 def write_tiny_model(directory: Path, max_model_len: int = MAX_MODEL_LEN) -> Path:
+    from loopserve.data.corpus import CorpusFile
     from loopserve.models.checkpoint_writer import write_random_checkpoint
     from loopserve.models.ouro_config import OuroConfig
-    from loopserve.train.corpus import CorpusFile
     from loopserve.train.tokenizer_training import save_tokenizer, train_tokenizer
 
     files = [CorpusFile(f"text{index}", text) for index, text in enumerate(_CORPUS)]
@@ -104,7 +104,7 @@ def serve_in_thread(model: Path, **server_options: Any) -> Iterator[RunningServe
     from loopserve.entrypoints.openai.server import uvicorn_config
 
     config = ServerConfig(served_model_names=("tiny",), log_level="warning", **server_options)
-    app = build_app(Engine(EngineConfig(model=str(model), **engine_options())), config)
+    app = build_app(Engine(EngineConfig.from_options(model=str(model), **engine_options())), config)
     server = uvicorn.Server(uvicorn_config(app, config))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

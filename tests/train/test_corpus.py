@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loopserve.train.corpus import (
+from loopserve.data.corpus import (
     default_root,
     fingerprint,
     is_held_out,

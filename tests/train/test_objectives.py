@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from loopserve.models.exit_rule import next_survival
+from loopserve.depth.exit_test import next_survival
 from loopserve.train.objectives import (
     exit_targets,
     log_exit_distribution,

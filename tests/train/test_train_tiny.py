@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from loopserve.data.windows import BatchSampler
 from loopserve.entrypoints.cli import main
 from loopserve.models.loader import load_checkpoint
 from loopserve.tokenizer import Tokenizer
 from loopserve.train.config import ModelShape, Stage1Config, Stage2Config
-from loopserve.train.data import BatchSampler
 from loopserve.train.progress import ProgressLog
 from loopserve.train.stage1 import build_model
 from loopserve.train.stage2 import train_stage2

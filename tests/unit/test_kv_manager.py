@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loopserve.engine.kv_manager import NULL_PAGE, KVCacheManager
-from tests.unit.fake_runner import FakeRunner, make_request, make_scheduler
+from tests.unit.fake_model import FakeLoopedModel, make_engine, params, prompt
 
 
 def test_reserve_grow_release_free() -> None:
@@ -42,7 +42,7 @@ events = st.lists(
         st.sampled_from(["add", "add", "step", "step", "step", "abort"]),
         st.integers(1, 60),  # prompt length
         st.integers(1, 12),  # max tokens
-        st.integers(1, 4),  # gate depth
+        st.integers(1, 4),  # min loops
     ),
     min_size=1,
     max_size=60,
@@ -56,12 +56,19 @@ events = st.lists(
     mode=st.sampled_from(["ouro", "ouro_delayed", "trace"]),
     scheduling=st.sampled_from(["refill", "no_refill"]),
     chunk=st.sampled_from([1, 5, 16]),
+    hazards=st.dictionaries(st.integers(1, 4), st.sampled_from([0.0, 0.3, 1.0])),
 )
 def test_invariants_hold_under_random_arrivals_and_aborts(
-    events: list[tuple[str, int, int, int]], layout: str, mode: str, scheduling: str, chunk: int
+    events: list[tuple[str, int, int, int]],
+    layout: str,
+    mode: str,
+    scheduling: str,
+    chunk: int,
+    hazards: dict[int, float],
 ) -> None:
-    scheduler = make_scheduler(
-        num_pages=60,
+    engine, _ = make_engine(
+        FakeLoopedModel(hazards=hazards),
+        num_kv_pages=60,
         kv_layout=layout,
         exit_mode=mode,
         scheduling=scheduling,
@@ -69,27 +76,25 @@ def test_invariants_hold_under_random_arrivals_and_aborts(
         max_num_seqs=4,
         max_num_batched_tokens=16,
     )
-    runner = FakeRunner()
     added: list[str] = []
-    for index, (kind, prompt_len, max_tokens, depth) in enumerate(events):
+    for index, (kind, prompt_len, max_tokens, min_loops) in enumerate(events):
         if kind == "add":
-            request = make_request(f"r{index}", prompt_len, max_tokens, threshold=0.5)
+            request_params = params(max_tokens, exit_threshold=0.5, min_loops=min_loops)
             try:
-                scheduler.add(request)
+                added.append(engine.add_request(prompt(prompt_len), request_params, f"r{index}"))
             except ValueError:
                 continue  # can never fit in 60 pages: rejected up front, nothing held
-            runner.gate_depth[request.request_id] = depth
-            added.append(request.request_id)
         elif kind == "abort" and added:
-            scheduler.abort(added[prompt_len % len(added)])
+            engine.abort(added[prompt_len % len(added)])
         else:
-            scheduled = scheduler.schedule()
-            scheduler.update(scheduled, runner.execute(scheduled))
-        scheduler.kv.check_invariants()
-    while scheduler.num_unfinished:
-        scheduled = scheduler.schedule()
-        assert not scheduled.is_empty, "work is left but nothing can be scheduled (deadlock)"
-        scheduler.update(scheduled, runner.execute(scheduled))
-        scheduler.kv.check_invariants()
-    assert scheduler.kv.num_used_pages == 0
-    assert scheduler.kv.num_available_pages == scheduler.kv.num_usable_pages
+            engine.step()
+        engine.kv.check_invariants()
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        engine.kv.check_invariants()
+    else:
+        raise AssertionError("work is left but the engine makes no progress (deadlock)")
+    assert engine.kv.num_used_pages == 0
+    assert engine.kv.num_available_pages == engine.kv.num_usable_pages

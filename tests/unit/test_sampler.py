@@ -3,10 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loopserve.engine.scheduler_output import SamplingInfo
 from loopserve.sample.noise import uniform_noise
 from loopserve.sample.sampler import SamplingBatch, sample
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingInfo, SamplingParams
 
 
 def batch_of(*infos: SamplingInfo, vocab: int = 50) -> SamplingBatch:

@@ -14,7 +14,7 @@ TORCH_FREE_MODULES = [
     "loopserve.engine.kv_manager",
     "loopserve.engine.scheduler",
     "loopserve.engine.scheduler_output",
-    "loopserve.engine.trace",
+    "loopserve.depth.trace",
     "loopserve.engine.detokenizer",
     "loopserve.models.ouro_config",
     "loopserve.models.builtin",

@@ -1,63 +1,81 @@
-"""Command-line flags for `EngineConfig`, shared by generate, serve, bench and eval."""
+"""Command-line flags for `EngineConfig`, generated from its fields (and its `SchedulerConfig`'s).
+
+Owns: turning each config field's type, default and help text into one flag, and parsed flags
+back into `EngineConfig` options. Must not: restate a default, a choice or a help text: a new
+config field gets its flag here without any change to this file.
+
+Field types map to flags: bool -> `--name/--no-name`; an enum -> its values as choices; `int`,
+`float`, `str` (optionally `| None`) -> that type; `tuple[float, ...]` -> a comma-separated list.
+"""
 
 from __future__ import annotations
 
 import argparse
+import enum
+import types
+import typing
+from dataclasses import Field
 from typing import Any
 
+from loopserve.config import EngineConfig, SchedulerConfig, config_fields
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+_CONFIGS = (EngineConfig, SchedulerConfig)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per config setting, in a group of its own (`skip`: settings a command sets)."""
     group = parser.add_argument_group("engine (EngineConfig)")
-    group.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
-    group.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    group.add_argument("--kv-layout", default="full", choices=["full", "shared"])
-    group.add_argument("--attention-backend", default="auto")
-    group.add_argument("--exit-mode", default="ouro", choices=["ouro", "ouro_delayed", "trace"])
-    group.add_argument("--scheduling", default="refill", choices=["refill", "no_refill"])
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--num-kv-pages", type=int, default=None)
-    group.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="CPU KV budget")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=64)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--prefill-chunk-size", type=int, default=2048)
-    group.add_argument("--engine-seed", type=int, default=0, help="seed of the engine itself")
-    group.add_argument("--decode-mode", default="auto", choices=["auto", "host", "device"])
-    group.add_argument(
-        "--no-cuda-graphs", action="store_true", help="run the device decode step eagerly"
-    )
-    group.add_argument(
-        "--no-async-scheduling", action="store_true", help="read each step back before the next"
-    )
-    group.add_argument(
-        "--no-fused-kernels", action="store_true", help="torch ops instead of fused Triton kernels"
-    )
+    for config_class in _CONFIGS:
+        hints = typing.get_type_hints(config_class)
+        for item in config_fields(config_class):
+            if item.name not in skip:
+                _add_flag(group, item, hints[item.name])
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments (everything but `model`) from parsed flags."""
+    """`EngineConfig.from_options` keyword arguments from parsed flags, all but `model`."""
     return {
-        "load_format": args.load_format,
-        "device": args.device,
-        "dtype": args.dtype,
-        "kv_layout": args.kv_layout,
-        "attention_backend": args.attention_backend,
-        "exit_mode": args.exit_mode,
-        "scheduling": args.scheduling,
-        "block_size": args.block_size,
-        "num_kv_pages": args.num_kv_pages,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "prefill_chunk_size": args.prefill_chunk_size,
-        "seed": args.engine_seed,
-        "decode_mode": args.decode_mode,
-        "cuda_graphs": not args.no_cuda_graphs,
-        "async_scheduling": not args.no_async_scheduling,
-        "fused_kernels": not args.no_fused_kernels,
+        item.name: getattr(args, item.name)
+        for config_class in _CONFIGS
+        for item in config_fields(config_class)
+        if item.name != "model" and hasattr(args, item.name)
     }
+
+
+def _add_flag(group: argparse._ArgumentGroup, item: Field[Any], annotation: Any) -> None:
+    flag = item.metadata.get("flag") or "--" + item.name.replace("_", "-")
+    help_text = item.metadata["help"]
+    kind = _base_type(annotation)
+    options: dict[str, Any] = {"dest": item.name, "default": item.default}
+    if kind is bool:
+        options["action"] = argparse.BooleanOptionalAction
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        options["choices"] = [member.value for member in kind]
+        options["default"] = item.default.value
+    elif kind is tuple:
+        options["type"] = _float_list
+        options["metavar"] = "P1,P2,..."
+        help_text += "; comma-separated"
+    else:
+        options["type"] = kind
+        if item.metadata.get("choices"):
+            options["choices"] = list(item.metadata["choices"])
+    shown = "" if item.default is None else " (default: %(default)s)"
+    group.add_argument(flag, help=help_text + shown, **options)
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; `tuple[float, ...]` -> tuple; a plain type -> itself."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (kind,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return _base_type(kind)
+    return typing.get_origin(annotation) or annotation
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None

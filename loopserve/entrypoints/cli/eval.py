@@ -10,9 +10,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
+
+if TYPE_CHECKING:
+    from loopserve.eval.gsm8k import Decoding, GenerateFn
 
 DEFAULT_THRESHOLDS = "0.95,0.9,0.8,0.7,0.6,0.5,0.4"
 
@@ -202,13 +205,7 @@ def _write_outputs(
 
 
 def _run_gsm8k(args: argparse.Namespace) -> int:
-    from loopserve.eval.gsm8k import (
-        Decoding,
-        build_report,
-        llm_generate_fn,
-        protocol_fingerprint,
-        score_problems,
-    )
+    from loopserve.eval.gsm8k import Decoding, build_report, protocol_fingerprint, score_problems
     from loopserve.eval.gsm8k_baseline import load_report
     from loopserve.eval.gsm8k_scoring import read_problems
     from loopserve.models.builtin import resolve_model_dir
@@ -226,7 +223,7 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
     fingerprint = protocol_fingerprint(
         model_dir, args.data, len(problems), args.num_shots, decoding
     )
-    generate = llm_generate_fn(str(model_dir), decoding)
+    generate = _llm_generate_fn(str(model_dir), decoding)
     results = score_problems(problems, generate, args.num_shots, args.batch_size, print)
     report = build_report(results, fingerprint)
     summary = report["summary"]
@@ -258,3 +255,30 @@ def _check_baseline(report: dict[str, Any], baseline: dict[str, Any], max_drop: 
         print("FAILED: accuracy dropped by more than --max-drop", file=sys.stderr)
         return 1
     return 0
+
+
+def _llm_generate_fn(model: str | None, decoding: Decoding) -> GenerateFn:
+    """Greedy generation with `loopserve.LLM` under `decoding`, stopping at STOP_STRINGS."""
+    from loopserve.entrypoints.llm import LLM
+    from loopserve.eval.gsm8k import Completion
+    from loopserve.eval.gsm8k_prompt import STOP_STRINGS
+    from loopserve.sampling_params import SamplingParams
+
+    llm = LLM(model, **decoding.engine)
+    params = SamplingParams(
+        max_tokens=decoding.max_tokens,
+        temperature=0.0,
+        stop=STOP_STRINGS,
+        exit_threshold=decoding.exit_threshold,
+        min_loops=decoding.min_loops,
+        max_loops=decoding.max_loops,
+    )
+
+    def generate(prompts: list[str]) -> list[Completion]:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [
+            Completion(out.text, len(out.token_ids), out.mean_exit_depth, out.finish_reason)
+            for out in outputs
+        ]
+
+    return generate

@@ -6,20 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-PRESETS = {
-    "ouro-1.4b": {},
-    "ouro-2.6b": {"num_hidden_layers": 48},
-    "tiny": {
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 2048,
-    },
-}
+from loopserve.models.ouro_config import PRESETS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -45,12 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoint
     from loopserve.models.loader import resolve_dtype
-    from loopserve.models.ouro_config import OuroConfig
+    from loopserve.models.ouro_config import preset_config
 
     if args.output.exists() and any(args.output.iterdir()):
         raise ValueError(f"{args.output} exists and is not empty; choose a new directory")
-    fields = OuroConfig().to_hf_dict() | PRESETS[args.preset] | json.loads(args.override)
-    config = OuroConfig.from_dict(fields)
+    config = preset_config(args.preset, json.loads(args.override))
     shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
     write_random_checkpoint(
         args.output,

@@ -75,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         log_level=args.uvicorn_log_level,
     )
-    run_server(EngineConfig(model=args.model, **engine_options(args)), config)
+    run_server(EngineConfig.from_options(model=args.model, **engine_options(args)), config)
     return 0

@@ -1,9 +1,9 @@
 """Seeded exit-depth traces for the `trace` exit mode (benchmarks and tests).
 
-Owns: the depth a traced token exits at when its request gives no explicit list. Must not: import
-torch. The depth of a request's k-th decode computation depends only on (seed, k), so it is the same
-whatever the batch, the arrival order or the scheduling mode, and the serial reference draws the
-same one.
+Owns: the depth a traced token exits at, from its request's explicit list or drawn from a seeded
+distribution (docs/looped-models.md §4). Must not: import torch. The depth of a request's k-th
+decode computation depends only on (seed, k), so it is the same whatever the batch, the arrival
+order or the scheduling mode, and the serial reference draws the same one.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from loopserve.sampling_params import ResolvedParams
 
-# The standard distribution "d2.6" of BENCHMARKS.md: P(depth = 1, 2, 3, 4).
+# The standard distribution "d2.6" of docs/benchmarks.md: P(depth = 1, 2, 3, 4).
 D2_6: tuple[float, ...] = (0.10, 0.40, 0.30, 0.20)
 _MASK64 = (1 << 64) - 1
 
@@ -36,14 +36,22 @@ def traced_depth(seed: int, decode_index: int, distribution: Sequence[float]) ->
     return len(distribution)
 
 
-def validate_distribution(distribution: Sequence[float], max_loops: int) -> None:
-    if not distribution or len(distribution) > max_loops:
-        raise ValueError(
-            f"a trace distribution needs 1..{max_loops} probabilities (one per depth), "
-            f"got {len(distribution)}"
-        )
+def check_distribution(distribution: Sequence[float]) -> None:
+    """A distribution's own validity (its length is checked against the model in `fit_model`)."""
+    if not distribution:
+        raise ValueError("a trace distribution needs at least one probability (one per depth)")
     if any(p < 0 for p in distribution) or sum(distribution) <= 0:
         raise ValueError("trace distribution probabilities must be >= 0 and not all zero")
+
+
+def fit_model(distribution: Sequence[float], num_loops: int) -> None:
+    """A distribution used by a `trace` engine may not give depths the model does not have."""
+    if len(distribution) > num_loops:
+        raise ValueError(
+            f"the trace distribution gives {len(distribution)} depths but the model runs at most "
+            f"{num_loops} loops; pass one probability per depth 1..{num_loops} "
+            "(--trace-distribution)"
+        )
 
 
 def resolved_trace_depth(
@@ -61,3 +69,9 @@ def resolved_trace_depth(
         else:
             depth = traced_depth(params.seed, decode_index, distribution)
     return max(params.min_loops, min(depth, params.max_loops))
+
+
+def trace_depths(params: ResolvedParams, distribution: Sequence[float]) -> tuple[int, ...]:
+    """The exit depth of each of a request's decode computations (all but its first token)."""
+    count = params.params.max_tokens - 1
+    return tuple(resolved_trace_depth(params, index, distribution) for index in range(count))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from loopserve.attention.base import AttentionBackend
-from loopserve.attention.metadata import AttentionMetadata
-from loopserve.runner.kv_storage import KVStorage
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.storage import KVStorage
 
 
 class PagedAttention:

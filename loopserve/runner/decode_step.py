@@ -1,14 +1,13 @@
-"""The device-resident decoder: per-slot decode state on the device, and one loop over all slots.
+"""The decode step: per-slot decode state on the device, and one loop over every slot.
 
 Owns: the state of every slot's in-flight token (loop, position, token, hidden state, survival,
-sampling settings, stop ids) and `step`, which runs one loop for slots [0, rows), evaluates the
-gate, samples for the rows that exit, copies their K/V into deeper planes (`full` layout), starts
-their next token at loop 1 and stops finished slots — with no host synchronisation, so it can be
-captured in a CUDA graph and run ahead of the host. Must not: read anything from the host during
-`step`; every per-step input is already in device tensors.
+sampling settings, stop ids) and `step`, which runs one loop for slots [0, rows), asks
+`depth.policy` which rows exit, samples, copies exited K/V as `kv.layout` says, starts the next
+token of exited rows and stops finished slots, with no host synchronisation, so it can be captured
+in a CUDA graph and run ahead of the host. Must not: read anything from the host during `step`
+(every per-step input is already in device tensors), or decide exits or planes itself.
 
-The exit rules are those of the host-driven scheduler (engine/scheduler.py `_exit_check`) and
-the serial reference; tests hold all three to the same tokens and depths.
+This is the only decode path, on every device; the serial reference is held to it by the tests.
 """
 
 from __future__ import annotations
@@ -19,19 +18,17 @@ from typing import Any
 import torch
 
 from loopserve.attention.base import AttentionBackend
-from loopserve.attention.metadata import AttentionMetadata
-from loopserve.engine.device_decode import MAX_STOP_TOKEN_IDS
-from loopserve.engine.scheduler_output import (
-    GATE_DELAYED,
-    GATE_OURO,
-    GATE_TRACE,
-    SlotSetup,
-)
-from loopserve.models.exit_rule import next_survival, threshold_reached
+from loopserve.attention.paged import PagedAttention
+from loopserve.config import SchedulerConfig
+from loopserve.depth import policy
+from loopserve.depth.policy import ExitMode, RowDepth, slot_rule
+from loopserve.depth.trace import trace_depths
+from loopserve.engine.scheduler_output import SlotStart
+from loopserve.kv.layout import KVLayout
+from loopserve.kv.pages import NULL_PAGE
+from loopserve.kv.storage import KVStorage
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.runner.block_tables import BlockTables
-from loopserve.runner.kv_storage import NULL_PAGE, KVStorage
-from loopserve.runner.paged_attention import PagedAttention
 from loopserve.sample.sampler import (
     SamplingBatch,
     effective_temperature,
@@ -43,6 +40,8 @@ from loopserve.sample.sampler import (
 # Columns of the per-row result record (fp32: token ids < 2**24 are exact).
 RAN, LOOP, EXITED, TOKEN, STOPPED, LOGPROB = range(6)
 RESULT_COLUMNS = 6
+# Most end-of-sequence plus stop token ids one request may have.
+MAX_STOP_TOKEN_IDS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,27 +53,27 @@ class SamplingKind:
     num_logprobs: int
 
 
-class SlotDecoder:
+class DecodeStep:
     def __init__(
         self,
         model: OuroForCausalLM,
         kv: KVStorage,
         backend: AttentionBackend,
         block_tables: BlockTables,
-        max_num_seqs: int,
-        kv_layout: str,
-        no_refill: bool,
+        config: SchedulerConfig,
         max_trace_length: int,
     ) -> None:
         self.model = model
         self.kv = kv
         self.backend = backend
         self.block_tables = block_tables
-        self.shared_layout = kv_layout == "shared"
-        self.no_refill = no_refill
+        self.layout: KVLayout = config.kv_layout
+        self.scheduling = config.scheduling
+        self.exit_mode = config.exit_mode
+        self.trace_distribution = config.trace_distribution
         self.vocab_size = model.config.vocab_size
         device = self.device = block_tables.device
-        slots = max_num_seqs
+        slots = config.max_num_seqs
 
         def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
             return torch.zeros((slots, *shape), dtype=dtype, device=device)
@@ -87,7 +86,7 @@ class SlotDecoder:
         self.hidden = zeros(model.dtype, model.config.hidden_size)
         # Per-request settings.
         self.min_loops, self.max_loops = zeros(torch.int64) + 1, zeros(torch.int64) + 1
-        self.gate_mode, self.max_tokens = zeros(torch.int64), zeros(torch.int64) + 1
+        self.rule, self.max_tokens = zeros(torch.int64), zeros(torch.int64) + 1
         self.threshold = zeros(torch.float32) + 1.0
         self.stop_ids = zeros(torch.int64, MAX_STOP_TOKEN_IDS) - 1
         self.trace_depths = zeros(torch.int8, max(max_trace_length, 1))
@@ -107,41 +106,41 @@ class SlotDecoder:
         self.active[index] = False
         self.waiting[index] = False
 
-    def start(self, setups: list[SlotSetup]) -> None:
-        """Write the state of newly handed-over slots (one small copy per field)."""
-        index = self._long([s.slot for s in setups])
-        params = [s.sampling.params for s in setups]
-        self._put(self.token, index, [s.token for s in setups])
-        self._put(self.position, index, [s.position for s in setups])
-        self._put(self.output_count, index, [s.sampling.output_index for s in setups])
-        self._put(self.min_loops, index, [s.min_loops for s in setups])
-        self._put(self.max_loops, index, [s.max_loops for s in setups])
-        self._put(self.gate_mode, index, [s.gate_mode for s in setups])
-        self._put(self.max_tokens, index, [s.max_tokens for s in setups])
-        self._put(self.threshold, index, [s.exit_threshold for s in setups])
-        self._put(self.seed, index, [s.sampling.seed for s in setups])
+    def start(self, starts: list[SlotStart]) -> None:
+        """Write the state of newly started slots (one small copy per field)."""
+        index = self._long([s.slot for s in starts])
+        resolved = [s.params for s in starts]
+        params = [r.params for r in resolved]
+        self._put(self.token, index, [s.token for s in starts])
+        self._put(self.position, index, [s.position for s in starts])
+        self._put(self.output_count, index, [s.num_output_tokens for s in starts])
+        self._put(self.min_loops, index, [r.min_loops for r in resolved])
+        self._put(self.max_loops, index, [r.max_loops for r in resolved])
+        self._put(self.rule, index, [slot_rule(self.exit_mode, r.exit_threshold) for r in resolved])
+        self._put(self.max_tokens, index, [p.max_tokens for p in params])
+        self._put(self.threshold, index, [r.exit_threshold for r in resolved])
+        self._put(self.seed, index, [r.seed for r in resolved])
         self._put(self.temperature, index, [effective_temperature(p) for p in params])
         self._put(self.greedy, index, [p.greedy for p in params])
         self._put(self.top_k, index, [effective_top_k(p, self.vocab_size) for p in params])
         self._put(self.top_p, index, [p.top_p for p in params])
         self._put(self.min_p, index, [p.min_p for p in params])
-        self._put(
-            self.stop_ids,
-            index,
-            [_padded(s.stop_token_ids, MAX_STOP_TOKEN_IDS, -1) for s in setups],
-        )
+        stop_ids = [sorted(r.eos_token_ids | set(r.params.stop_token_ids)) for r in resolved]
+        self._put(self.stop_ids, index, [_padded(ids, MAX_STOP_TOKEN_IDS, -1) for ids in stop_ids])
         width = self.trace_depths.shape[1]
-        self._put(self.trace_depths, index, [_padded(s.trace_depths, width, 0) for s in setups])
+        traced = self.exit_mode is ExitMode.TRACE
+        depths = [trace_depths(r, self.trace_distribution) if traced else () for r in resolved]
+        self._put(self.trace_depths, index, [_padded(d, width, 0) for d in depths])
         self.loop[index] = 1
         self.survival[index] = 1.0
         self.stop_next[index] = False
         # Under no_refill a new slot waits for the next cohort (released when no row runs).
-        self.waiting[index] = self.no_refill
+        self.waiting[index] = self.scheduling is policy.Scheduling.NO_REFILL
         self.active[index] = True
-        for setup, param in zip(setups, params, strict=True):
-            self.logprob_counts[setup.slot] = param.logprobs
-            self._greedy_host[setup.slot] = param.greedy
-            self._filter_host[setup.slot] = needs_filter(param, self.vocab_size)
+        for start, param in zip(starts, params, strict=True):
+            self.logprob_counts[start.slot] = param.logprobs
+            self._greedy_host[start.slot] = param.greedy
+            self._filter_host[start.slot] = needs_filter(param, self.vocab_size)
 
     def sampling_kind(self, slots: list[int]) -> SamplingKind:
         counts = [self.logprob_counts[slot] or 0 for slot in slots]
@@ -175,110 +174,75 @@ class SlotDecoder:
 
     def step(self, rows: int, kind: SamplingKind) -> torch.Tensor:
         """One loop for slots [0, rows). Returns the result record [rows, RESULT_COLUMNS + 2K]."""
-        active, waiting = self.active[:rows], self.waiting[:rows]
-        if self.no_refill:  # a drained cohort releases every waiting row
-            waiting = waiting & (active & ~waiting).any()
-        run = active & ~waiting
-        loop, position = self.loop[:rows], self.position[:rows]
-        max_loops = self.max_loops[:rows]
+        active = self.active[:rows]
+        ran, waiting = policy.runs(active, self.waiting[:rows], self.scheduling)
+        row = self._row_depth(rows)
+        position = self.position[:rows]
         hidden = torch.where(
-            (loop == 1)[:, None], self.model.embed(self.token[:rows]), self.hidden[:rows]
+            (row.loop == 1)[:, None], self.model.embed(self.token[:rows]), self.hidden[:rows]
         )
-        plane = max_loops - 1 if self.shared_layout else loop - 1
-        metadata = self._metadata(rows, run, plane, position)
+        plane = self.layout.decode_plane(row.loop, row.max_loops)
+        host_lengths = not self.backend.supports_cuda_graphs
+        metadata = self.block_tables.decode_metadata(ran, plane, position, host_lengths)
         cos, sin = self.model.rope(position)
         context = LoopContext(cos, sin, PagedAttention(self.backend, self.kv, metadata))
         out = self.model.run_loop(hidden, context)  # [rows, H]
-        exited, survival, test = self._exits(rows, run, out)
+        outcome = policy.after_loop(row, ran, self.model.exit_probability(out))
+        exited = outcome.exited
         logits = self.model.compute_logits(out)  # [rows, V], used only where a row exits
         sampled = sample(logits, self._sampling_batch(rows, kind))
-        if not self.shared_layout:
-            self._copy_on_exit(rows, exited, loop, position, max_loops)
+        if self.layout.copies_on_exit:
+            self._copy_on_exit(rows, exited, row, position)
         count = self.output_count[:rows] + exited.long()
         is_stop = (sampled.tokens[:, None] == self.stop_ids[:rows]).any(-1)
         stopped = exited & (is_stop | (count >= self.max_tokens[:rows]))
-        columns = [run, loop, exited, sampled.tokens, stopped, sampled.logprobs]
+        columns = [ran, row.loop, exited, sampled.tokens, stopped, sampled.logprobs]
         record = torch.cat(
             [torch.stack(columns, 1).float(), sampled.top_ids.float(), sampled.top_logprobs], dim=1
         )
         # State for the next step.
-        gate_delayed = self.gate_mode[:rows] == GATE_DELAYED
-        self.hidden[:rows] = torch.where(run[:, None], out, self.hidden[:rows])
+        following = policy.advance(row, ran, waiting, outcome, self.scheduling)
+        self.hidden[:rows] = torch.where(ran[:, None], out, self.hidden[:rows])
         self.token[:rows] = torch.where(exited, sampled.tokens, self.token[:rows])
-        self.stop_next[:rows] = ~exited & (self.stop_next[:rows] | (test & gate_delayed))
-        self.survival[:rows] = torch.where(exited, torch.ones_like(survival), survival)
         self.position[:rows] = position + exited.long()
-        self.loop[:rows] = torch.where(exited, torch.ones_like(loop), loop + run.long())
         self.output_count[:rows] = count
-        self.waiting[:rows] = waiting | (exited & self.no_refill)
+        self.loop[:rows] = following.loop
+        self.survival[:rows] = following.survival
+        self.stop_next[:rows] = following.stop_next
+        self.waiting[:rows] = following.waiting
         self.active[:rows] = active & ~stopped
         return record
 
-    def _metadata(
-        self, rows: int, run: torch.Tensor, plane: torch.Tensor, position: torch.Tensor
-    ) -> AttentionMetadata:
-        tables = self.block_tables.tables
-        slot_index = torch.arange(rows, device=self.device)
-        page_table = tables[slot_index, plane]  # [rows, P]
-        block = self.block_tables.block_size
-        slots = self.block_tables.flat_slots(page_table, slot_index, position)
-        slot_mapping = torch.where(run, slots, NULL_PAGE * block)
-        seq_lens = torch.where(run, position + 1, torch.zeros_like(position)).to(torch.int32)
-        host = None if self.backend.supports_cuda_graphs else seq_lens.tolist()
-        return AttentionMetadata(
-            query_start=torch.arange(rows + 1, dtype=torch.int32, device=self.device),
-            seq_lens=seq_lens,
-            page_table=page_table,
-            slot_mapping=slot_mapping,
-            max_query_len=1,
-            max_seq_len=page_table.shape[1] * block,
-            query_start_host=None if host is None else list(range(rows + 1)),
-            seq_lens_host=host,
-        )
-
-    def _exits(
-        self, rows: int, run: torch.Tensor, out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(exited, survival after this loop, exit test) for each row; the rules of §1."""
-        loop, mode = self.loop[:rows], self.gate_mode[:rows]
-        at_max = loop >= self.max_loops[:rows]
-        stop_next = self.stop_next[:rows]
-        gated = (mode == GATE_OURO) | ((mode == GATE_DELAYED) & ~stop_next)
-        evaluate = run & gated & ~at_max
-        survival = self.survival[:rows]
-        updated = next_survival(survival, self.model.exit_probability(out))
-        survival = torch.where(evaluate, updated, survival)
-        min_loops, threshold = self.min_loops[:rows], self.threshold[:rows]
-        test = evaluate & threshold_reached(survival, loop, min_loops, threshold)
+    def _row_depth(self, rows: int) -> RowDepth:
         width = self.trace_depths.shape[1]
         decode_index = (self.output_count[:rows] - 1).clamp(min=0, max=width - 1)
         trace_depth = self.trace_depths[:rows].gather(1, decode_index[:, None]).squeeze(1)
-        exits = (
-            at_max
-            | ((mode == GATE_TRACE) & (loop >= trace_depth.long()))
-            | ((mode == GATE_OURO) & test)
-            | ((mode == GATE_DELAYED) & stop_next)
+        return RowDepth(
+            loop=self.loop[:rows],
+            min_loops=self.min_loops[:rows],
+            max_loops=self.max_loops[:rows],
+            rule=self.rule[:rows],
+            threshold=self.threshold[:rows],
+            survival=self.survival[:rows],
+            stop_next=self.stop_next[:rows],
+            trace_depth=trace_depth.long(),
         )
-        return run & exits, survival, test
 
     def _copy_on_exit(
-        self,
-        rows: int,
-        exited: torch.Tensor,
-        loop: torch.Tensor,
-        position: torch.Tensor,
-        max_loops: torch.Tensor,
+        self, rows: int, exited: torch.Tensor, row: RowDepth, position: torch.Tensor
     ) -> None:
-        """`full` layout: an exited token's K/V becomes its version in every deeper plane."""
+        """Copy each exited token's K/V from the plane it last wrote into the planes the layout
+        says must read it at that version (one masked copy; other rows copy into the null page)."""
         tables = self.block_tables.tables[:rows]  # [rows, planes, P]
         block = self.block_tables.block_size
-        row = torch.arange(rows, device=self.device)
-        pages = tables[row, :, position // block]  # [rows, planes]
+        row_index = torch.arange(rows, device=self.device)
+        pages = tables[row_index, :, position // block]  # [rows, planes]
         slots = pages.long() * block + (position % block)[:, None]
-        source = slots.gather(1, (loop - 1)[:, None]).expand_as(slots)
+        written = self.layout.decode_plane(row.loop, row.max_loops)
+        source = slots.gather(1, written[:, None]).expand_as(slots)
         planes = torch.arange(slots.shape[1], device=self.device)[None, :]
-        deeper = exited[:, None] & (planes >= loop[:, None]) & (planes < max_loops[:, None])
-        destination = torch.where(deeper, slots, torch.full_like(slots, NULL_PAGE * block))
+        target = KVLayout.copy_on_exit_target(planes, row.loop[:, None], row.max_loops[:, None])
+        destination = torch.where(exited[:, None] & target, slots, NULL_PAGE * block)
         self.kv.copy_slots(source.reshape(-1), destination.reshape(-1))
 
     def _sampling_batch(self, rows: int, kind: SamplingKind) -> SamplingBatch:
@@ -297,5 +261,6 @@ class SlotDecoder:
         )
 
 
-def _padded(values: tuple[int, ...], width: int, fill: int) -> list[int]:
-    return list(values[:width]) + [fill] * (width - len(values[:width]))
+def _padded(values: Any, width: int, fill: int) -> list[int]:
+    values = list(values)[:width]
+    return values + [fill] * (width - len(values))

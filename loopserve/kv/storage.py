@@ -6,14 +6,12 @@ torch-free `KVCacheManager`), or know about planes: a page is a page, whichever 
 
 Layout: `cache[layer, 0 = K | 1 = V, page, offset, kv_head, head_dim]`. A flat *slot* is
 `page * block_size + offset`. Page 0 is the null page: padding entries of page tables point at it
-and padding rows write their K/V into it; nothing real is ever stored there.
+and padding rows write their K/V into it; nothing real is ever stored there (`kv.pages`).
 """
 
 from __future__ import annotations
 
 import torch
-
-NULL_PAGE = 0
 
 
 class KVStorage:

@@ -1,0 +1,45 @@
+"""What the engine counts: the scheduler's counters and the snapshot `Engine.stats()` returns.
+
+Owns: `SchedulerStats` and `EngineStats`. Must not: import torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0
+    decode_steps: int = 0
+    # Rows executed per loop index (1-based) and decode steps by their number of rows.
+    row_loops: Counter[int] = field(default_factory=Counter)
+    rows_per_step: Counter[int] = field(default_factory=Counter)
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def total_row_loops(self) -> int:
+        return sum(self.row_loops.values())
+
+    @property
+    def mean_rows_per_decode_step(self) -> float:
+        return self.total_row_loops / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_total: int  # usable pages (the null page excluded)
+    kv_pages_used: int
+    kv_pages_free: int
+    steps: int
+    decode_steps: int
+    # Occupancy: decode rows per decode step, and rows executed at each loop index.
+    mean_rows_per_decode_step: float
+    row_loops_by_loop: dict[int, int]
+    rows_per_step: dict[int, int]
+    prefill_tokens: int
+    generated_tokens: int

@@ -1,0 +1,148 @@
+"""Prompt chunks through every loop: packed causal attention over paged K/V, then the first token.
+
+Owns: running a step's prompt chunks (one packed pass per loop, each loop d writing and reading
+plane d - 1 as `kv.layout` says) and sampling the first output token of the chunks that complete a
+prompt. Must not: schedule anything; it runs exactly the chunks it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from loopserve.attention.base import AttentionBackend
+from loopserve.attention.paged import PagedAttention
+from loopserve.engine.scheduler_output import PrefillChunk, SampledToken
+from loopserve.kv.layout import KVLayout
+from loopserve.kv.storage import KVStorage
+from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.outputs import TokenLogprobs
+from loopserve.runner.block_tables import BlockTables
+from loopserve.sample.sampler import SampleResult, SamplingBatch, sample
+
+
+@dataclass(slots=True)
+class _Pass:
+    """The chunks one loop runs, as attention metadata inputs."""
+
+    slots: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [T'] int64
+    sequence_of_token: torch.Tensor  # [T'] int64
+    query_start: list[int]  # [S + 1]
+    seq_lens: list[int]  # [S]
+    tokens: torch.Tensor | None  # [T'] rows of the step's packed tokens; None: all of them
+
+
+class PromptRunner:
+    def __init__(
+        self,
+        model: OuroForCausalLM,
+        kv: KVStorage,
+        backend: AttentionBackend,
+        block_tables: BlockTables,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.block_tables = block_tables
+        self.device = block_tables.device
+
+    def run(self, chunks: list[PrefillChunk]) -> list[SampledToken | None]:
+        """Every loop of every chunk; the first output token of chunks that complete a prompt."""
+        query_start = [0, *accumulate(len(chunk.token_ids) for chunk in chunks)]
+        token_ids = self._long([token for chunk in chunks for token in chunk.token_ids])
+        positions = self._long(
+            [p for chunk in chunks for p in range(chunk.start, chunk.start + len(chunk.token_ids))]
+        )
+        cos, sin = self.model.rope(positions)
+        hidden = self.model.embed(token_ids)  # [T, H]
+        passes: dict[tuple[int, ...], _Pass] = {}
+        for loop in range(1, max(chunk.num_loops for chunk in chunks) + 1):
+            # The chunks still running (requests with fewer loops are done).
+            active = tuple(index for index, chunk in enumerate(chunks) if chunk.num_loops >= loop)
+            if active not in passes:
+                passes[active] = self._pass(chunks, active, query_start, positions)
+            run = passes[active]
+            metadata = self.block_tables.prefill_metadata(
+                run.slots,
+                KVLayout.prompt_plane(loop),
+                run.positions,
+                run.sequence_of_token,
+                run.query_start,
+                run.seq_lens,
+            )
+            attention = PagedAttention(self.backend, self.kv, metadata)
+            if run.tokens is None:
+                hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
+            else:
+                context = LoopContext(cos[run.tokens], sin[run.tokens], attention)
+                hidden = hidden.clone()
+                hidden[run.tokens] = self.model.run_loop(hidden[run.tokens], context)
+        finishing = [index for index, chunk in enumerate(chunks) if chunk.completes_prompt]
+        results: list[SampledToken | None] = [None] * len(chunks)
+        if finishing:
+            last = [query_start[index + 1] - 1 for index in finishing]
+            logits = self.model.compute_logits(hidden[last])
+            infos = [chunks[index].sampling for index in finishing]
+            batch = SamplingBatch.build(infos, self.model.config.vocab_size, self.device)
+            for row, token in zip(
+                finishing, sampled_tokens(sample(logits, batch), batch), strict=True
+            ):
+                results[row] = token
+        return results
+
+    def _pass(
+        self,
+        chunks: list[PrefillChunk],
+        active: tuple[int, ...],
+        query_start: list[int],
+        positions: torch.Tensor,  # [T] int64, every chunk's tokens
+    ) -> _Pass:
+        """What the loops over the chunks in `active` share."""
+        lengths = [len(chunks[i].token_ids) for i in active]
+        tokens = None
+        if len(active) < len(chunks):
+            tokens = self._long(
+                [t for i in active for t in range(query_start[i], query_start[i + 1])]
+            )
+            positions = positions[tokens]
+        return _Pass(
+            slots=self._long([chunks[i].slot for i in active]),
+            positions=positions,
+            sequence_of_token=self._long([s for s, n in enumerate(lengths) for _ in range(n)]),
+            query_start=[0, *accumulate(lengths)],
+            seq_lens=[chunks[i].start + len(chunks[i].token_ids) for i in active],
+            tokens=tokens,
+        )
+
+    def _long(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def sampled_tokens(result: SampleResult, batch: SamplingBatch) -> list[SampledToken]:
+    """Move a SampleResult to the host (one copy per tensor) as SampledTokens."""
+    tokens = result.tokens.tolist()
+    logprobs = result.logprobs.tolist()
+    top_ids = result.top_ids.tolist()
+    top_logprobs = result.top_logprobs.tolist()
+    return [
+        sampled_token(token, logprobs[row], top_ids[row], top_logprobs[row], count)
+        for row, (token, count) in enumerate(zip(tokens, batch.logprob_counts, strict=True))
+    ]
+
+
+def sampled_token(
+    token: int,
+    logprob: float,
+    top_ids: Sequence[float],
+    top_logprobs: Sequence[float],
+    count: int | None,
+) -> SampledToken:
+    """One sampled token, with its log-prob and `count` alternatives when it asked for them."""
+    if count is None:
+        return SampledToken(int(token), None)
+    top = tuple((int(i), v) for i, v in zip(top_ids[:count], top_logprobs[:count], strict=True))
+    return SampledToken(int(token), TokenLogprobs(int(token), logprob, top))

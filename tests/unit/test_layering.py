@@ -1,0 +1,132 @@
+"""Imports run one way. Each part of the package may import only the parts listed for it here, so
+the layering cannot quietly rot; and the engine core runs without torch or the runner when it is
+handed a runner."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import loopserve
+
+PACKAGE = Path(loopserve.__file__).parent
+# Torch-free value types every layer may use.
+CORE = {"config", "sampling_params", "outputs", "request", "tokenizer"}
+# Part -> the parts it may import besides itself. A part or an entry is a package ("engine") or a
+# module ("engine.scheduler_output"); `*` allows everything.
+ALLOWED: dict[str, set[str]] = {
+    "entrypoints": {"*"},
+    "bench": {"engine", "runner", "models", "attention", "kernels", "sample", "kv", "depth"} | CORE,
+    "eval": {"models", "depth", "data"} | CORE,
+    "train": {"models", "data"} | CORE,
+    "data": set(),
+    "reference": {"models", "sample", "depth"} | CORE,
+    "engine": {"depth", "kv.pages", "kv.layout", "models.ouro_config", "models.generation_config"}
+    | CORE,
+    "runner": {"engine.scheduler_output", "engine.runner_api", "models", "attention", "sample"}
+    | {"kv", "depth"}
+    | CORE,
+    "models": {"kernels"},
+    "attention": {"kernels", "kv"},
+    "kernels": {"kv"},
+    "sample": {"sampling_params"},
+    "kv": set(),
+    "depth": {"sampling_params", "kv"},
+    "config": {"depth", "kv"},
+    "request": {"outputs", "sampling_params"},
+    "sampling_params": set(),
+    "outputs": set(),
+    "tokenizer": set(),
+    "__init__": {"*"},  # the public facade: it re-exports lazily (`import loopserve` stays light)
+}
+
+
+def _part(module: str) -> str:
+    """`loopserve.engine.scheduler` -> `engine`; `loopserve.config` -> `config`."""
+    return module.split(".")[1]
+
+
+def _covers(entry: str, target: str) -> bool:
+    """Whether an ALLOWED entry admits the dotted target (without the `loopserve.` prefix)."""
+    return entry == "*" or target == entry or target.startswith(entry + ".")
+
+
+def _imports(path: Path) -> list[str]:
+    """Every `loopserve.*` module a file imports, at module level or inside functions."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "loopserve":  # `from loopserve import X`: the root re-exports
+                found += [
+                    f"loopserve.{alias.name}" for alias in node.names if alias.name != "__version__"
+                ]
+            else:
+                found.append(node.module)
+    return [name for name in found if name.startswith("loopserve.")]
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(relative.parts)
+
+
+def test_every_import_runs_in_an_allowed_direction() -> None:
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        part = "__init__" if name == "loopserve.__init__" else _part(name)
+        allowed = ALLOWED[part]
+        for target in _imports(path):
+            if _part(target) == part:
+                continue
+            dotted = target.removeprefix("loopserve.")
+            if not any(_covers(entry, dotted) for entry in allowed):
+                violations.append(f"{name} imports {target}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_check_catches_a_wrong_direction(tmp_path: Path) -> None:
+    """Guards the test above against passing vacuously."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from loopserve.runner.setup import build_runner\n")
+    assert _imports(bad) == ["loopserve.runner.setup"]
+    assert not any(_covers(entry, "runner.setup") for entry in ALLOWED["engine"])
+
+
+STUB_ENGINE = """
+import sys
+from loopserve.config import EngineConfig
+from loopserve.engine.engine import Engine
+from loopserve.engine.runner_api import RunnerInfo
+from loopserve.engine.scheduler_output import RunnerOutput, SampledToken
+from loopserve.models.ouro_config import OuroConfig
+from loopserve.sampling_params import SamplingParams
+
+class Done:
+    def __init__(self, output): self.output = output
+    def result(self): return self.output
+
+class StubRunner:
+    info = RunnerInfo(OuroConfig(), None, 64, 512, 16, "cpu", "float32", "stub", False, 1)
+    def execute(self, scheduled):
+        tokens = [SampledToken(7, None) for _ in scheduled.prefill_chunks]
+        return Done(RunnerOutput(tokens))
+
+engine = Engine(EngineConfig(), runner=StubRunner())
+engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+(output,) = engine.step()
+assert output.finished and output.token_ids == [7], output
+print(",".join(m for m in ("torch", "loopserve.runner") if m in sys.modules))
+"""
+
+
+def test_the_engine_runs_on_a_handed_runner_without_torch_or_the_runner_package() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", STUB_ENGINE], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "", f"imported: {result.stdout.strip()}"
