@@ -1,6 +1,6 @@
 """`loopserve bench MODE`: benchmark commands; each mode is its own module under loopserve.bench.
 
-Every mode prints one JSON line per measured configuration (see ../shared/BENCHMARKS.md).
+Every measuring mode prints one JSON line per configuration (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import importlib
 BENCH_MODES: dict[str, str] = {
     "serve": "loopserve.bench.serve_client",
     "offline": "loopserve.bench.offline",
+    "compare": "loopserve.bench.compare",
 }
 
 
