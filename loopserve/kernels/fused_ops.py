@@ -76,21 +76,24 @@ def _rotary_kernel(
     stride_head,
     stride_angle,
     heads,
-    HALF: tl.constexpr,
+    half,  # D / 2
     BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # the next power of two >= half
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.arange(0, BLOCK_HEADS)[:, None]
-    dim = tl.arange(0, HALF)[None, :]
-    mask = head < heads
+    dim = tl.arange(0, BLOCK_HALF)[None, :]
+    in_dim = dim < half
+    mask = (head < heads) & in_dim
     dtype = x_ptr.dtype.element_ty
     base = x_ptr + token * stride_token + head * stride_head
     first = tl.load(base + dim, mask=mask, other=0.0).to(tl.float32)
-    second = tl.load(base + HALF + dim, mask=mask, other=0.0).to(tl.float32)
-    cos_first = tl.load(cos_ptr + token * stride_angle + dim).to(tl.float32)
-    cos_second = tl.load(cos_ptr + token * stride_angle + HALF + dim).to(tl.float32)
-    sin_first = tl.load(sin_ptr + token * stride_angle + dim).to(tl.float32)
-    sin_second = tl.load(sin_ptr + token * stride_angle + HALF + dim).to(tl.float32)
+    second = tl.load(base + half + dim, mask=mask, other=0.0).to(tl.float32)
+    angle = token * stride_angle + dim
+    cos_first = tl.load(cos_ptr + angle, mask=in_dim, other=0.0).to(tl.float32)
+    cos_second = tl.load(cos_ptr + angle + half, mask=in_dim, other=0.0).to(tl.float32)
+    sin_first = tl.load(sin_ptr + angle, mask=in_dim, other=0.0).to(tl.float32)
+    sin_second = tl.load(sin_ptr + angle + half, mask=in_dim, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-second, first]; each product and
     # the sum are rounded like the torch ops.
     new_first = (first * cos_first).to(dtype).to(tl.float32) + (-second * sin_first).to(dtype).to(
@@ -100,7 +103,7 @@ def _rotary_kernel(
         tl.float32
     )
     tl.store(base + dim, new_first.to(dtype), mask=mask)
-    tl.store(base + HALF + dim, new_second.to(dtype), mask=mask)
+    tl.store(base + half + dim, new_second.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -152,8 +155,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     tokens, heads, head_dim = x.shape
     if tokens:
         _rotary_kernel[(tokens,)](
-            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads,
-            HALF=head_dim // 2, BLOCK_HEADS=triton.next_power_of_2(heads),
+            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads, head_dim // 2,
+            BLOCK_HEADS=triton.next_power_of_2(heads),
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )  # fmt: skip
     return x
 

@@ -51,10 +51,13 @@ def test_norms(dtype: torch.dtype, size: int, device: torch.device) -> None:
     close(fused[1], reference[1])
 
 
+@pytest.mark.parametrize("head_dim", [16, 40])  # 40: half of it is no power of two
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_strided_views(dtype: torch.dtype, device: torch.device) -> None:
+def test_rotary_in_place_on_strided_views(
+    dtype: torch.dtype, head_dim: int, device: torch.device
+) -> None:
     torch.manual_seed(1)
-    tokens, q_heads, kv_heads, head_dim = 5, 4, 2, 16
+    tokens, q_heads, kv_heads = 5, 4, 2
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).to(device=device, dtype=dtype)
     angles = torch.randn(tokens, head_dim // 2).repeat(1, 2)
     cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
