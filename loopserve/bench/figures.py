@@ -1,8 +1,8 @@
 """The figures of one offline trial, and their medians and spread over trials.
 
-Owns: percentiles, the per-trial figures of BENCHMARKS.md (throughput, TTFT, TPOT, ITL, exit depth,
-KV pages, memory, occupancy, floor ratio) and their aggregation. Must not: run an engine, import
-torch, or judge a figure (the summary compares; nothing here asserts speed).
+Owns: percentiles, the per-trial figures of docs/benchmarks.md (throughput, TTFT, TPOT, ITL, exit
+depth, KV pages, memory, occupancy, floor ratio) and their aggregation. Must not: run an engine,
+import torch, or judge a figure (the summary compares; nothing here asserts speed).
 
 Definitions (milliseconds for latencies): TTFT = first token − arrival (arrival is the
 `add_request` call); TPOT = (E2E − TTFT) / (n − 1) per request with n ≥ 2 tokens; ITL = gaps

@@ -37,7 +37,7 @@ from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 
-COPY_BANDWIDTH = 4.28e12  # bytes/s, measured copy bandwidth of the H200 (BENCHMARKS.md)
+COPY_BANDWIDTH = 4.28e12  # bytes/s, measured copy bandwidth of the H200 (docs/benchmarks.md)
 BF16_MATMUL = 790e12  # FLOP/s, measured bf16 matmul ceiling of the H200
 MAX_LAYERS = 256
 

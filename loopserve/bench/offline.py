@@ -1,4 +1,4 @@
-"""Offline throughput: the matched closed-loop protocol of BENCHMARKS.md on random-weight Ouro.
+"""Offline throughput: the matched closed-loop protocol (docs/benchmarks.md) on random-weight Ouro.
 
 `loopserve bench offline` keeps C requests in flight (2 × C per trial, random prompts, EOS
 ignored), sweeps workloads × concurrency × exits (fixed depth, trace d2.6) × scheduling (refill,

@@ -5,7 +5,7 @@ refill/no_refill, graphs/eager) and saying whether a ratio is beyond the noise, 
 the targets of GPU issue 3 where the sweep has the data. Must not: assert or fail on any figure;
 targets are reported as met or missed, nothing more.
 
-Noise (BENCHMARKS.md): a difference smaller than the spread (max − min over trials) of either
+Noise (docs/benchmarks.md): a difference smaller than the spread (max − min over trials) of either
 variant is noise; with a single trial the spread is unknown and the column says so.
 """
 

@@ -1,7 +1,7 @@
 """An obviously serial teacher-forced scorer: one position at a time, one loop at a time.
 
 Test helper only. It keeps every (position, loop, layer) K/V and reads position j at loop d
-through version min(d, e_j) (ARCHITECTURE.md §2, `full` layout), so it shares no code with the
+through version min(d, e_j) (docs/looped-models.md §3, `full` layout), so it shares no code with the
 dense scorer except the model and the exit rule.
 """
 
