@@ -8,7 +8,6 @@ prompt. Must not: schedule anything; it runs exactly the chunks it is given.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -22,18 +21,6 @@ from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.runner.block_tables import BlockTables
 from loopserve.sample.sampler import SampleResult, SamplingBatch, sample
-
-
-@dataclass(slots=True)
-class _Pass:
-    """The chunks one loop runs, as attention metadata inputs."""
-
-    slots: torch.Tensor  # [S] int64
-    positions: torch.Tensor  # [T'] int64
-    sequence_of_token: torch.Tensor  # [T'] int64
-    query_start: list[int]  # [S + 1]
-    seq_lens: list[int]  # [S]
-    tokens: torch.Tensor | None  # [T'] rows of the step's packed tokens; None: all of them
 
 
 class PromptRunner:
@@ -59,28 +46,19 @@ class PromptRunner:
         )
         cos, sin = self.model.rope(positions)
         hidden = self.model.embed(token_ids)  # [T, H]
-        passes: dict[tuple[int, ...], _Pass] = {}
         for loop in range(1, max(chunk.num_loops for chunk in chunks) + 1):
             # The chunks still running (requests with fewer loops are done).
-            active = tuple(index for index, chunk in enumerate(chunks) if chunk.num_loops >= loop)
-            if active not in passes:
-                passes[active] = self._pass(chunks, active, query_start, positions)
-            run = passes[active]
-            metadata = self.block_tables.prefill_metadata(
-                run.slots,
-                KVLayout.prompt_plane(loop),
-                run.positions,
-                run.sequence_of_token,
-                run.query_start,
-                run.seq_lens,
-            )
-            attention = PagedAttention(self.backend, self.kv, metadata)
-            if run.tokens is None:
+            active = [index for index, chunk in enumerate(chunks) if chunk.num_loops >= loop]
+            tokens = None  # [T'] their rows of the packed tokens; None: every row
+            if len(active) < len(chunks):
+                tokens = self._long([t for i in active for t in range(*query_start[i : i + 2])])
+            attention = self._attention(chunks, active, loop, positions, tokens)
+            if tokens is None:
                 hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
             else:
-                context = LoopContext(cos[run.tokens], sin[run.tokens], attention)
+                context = LoopContext(cos[tokens], sin[tokens], attention)
                 hidden = hidden.clone()
-                hidden[run.tokens] = self.model.run_loop(hidden[run.tokens], context)
+                hidden[tokens] = self.model.run_loop(hidden[tokens], context)
         finishing = [index for index, chunk in enumerate(chunks) if chunk.completes_prompt]
         results: list[SampledToken | None] = [None] * len(chunks)
         if finishing:
@@ -94,29 +72,25 @@ class PromptRunner:
                 results[row] = token
         return results
 
-    def _pass(
+    def _attention(
         self,
         chunks: list[PrefillChunk],
-        active: tuple[int, ...],
-        query_start: list[int],
+        active: list[int],
+        loop: int,
         positions: torch.Tensor,  # [T] int64, every chunk's tokens
-    ) -> _Pass:
-        """What the loops over the chunks in `active` share."""
+        tokens: torch.Tensor | None,
+    ) -> PagedAttention:
+        """Attention of one loop over the chunks in `active`, in the plane that loop uses."""
         lengths = [len(chunks[i].token_ids) for i in active]
-        tokens = None
-        if len(active) < len(chunks):
-            tokens = self._long(
-                [t for i in active for t in range(query_start[i], query_start[i + 1])]
-            )
-            positions = positions[tokens]
-        return _Pass(
-            slots=self._long([chunks[i].slot for i in active]),
-            positions=positions,
-            sequence_of_token=self._long([s for s, n in enumerate(lengths) for _ in range(n)]),
-            query_start=[0, *accumulate(lengths)],
-            seq_lens=[chunks[i].start + len(chunks[i].token_ids) for i in active],
-            tokens=tokens,
+        metadata = self.block_tables.prefill_metadata(
+            self._long([chunks[i].slot for i in active]),
+            KVLayout.prompt_plane(loop),
+            positions if tokens is None else positions[tokens],
+            self._long([s for s, n in enumerate(lengths) for _ in range(n)]),
+            [0, *accumulate(lengths)],
+            [chunks[i].start + len(chunks[i].token_ids) for i in active],
         )
+        return PagedAttention(self.backend, self.kv, metadata)
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -89,8 +89,9 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
     num_pages = num_kv_pages(config, model, bytes_per_page, device)
     if config.num_kv_pages is None:
         check_one_request_fits(config, model_config, num_pages, max_model_len)
-    choice = select_backend(config.attention_backend, _attention_spec(config, model, device))
-    backend = choice.backend(_attention_spec(config, model, device))
+    spec = _attention_spec(config, model, device)
+    choice = select_backend(config.attention_backend, spec)
+    backend = choice.backend(spec)
     kv = KVStorage(
         num_layers=model_config.num_hidden_layers,
         num_pages=num_pages,

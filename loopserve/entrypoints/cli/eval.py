@@ -266,19 +266,16 @@ def _llm_generate_fn(model: str | None, decoding: Decoding) -> GenerateFn:
 
     llm = LLM(model, **decoding.engine)
     params = SamplingParams(
-        max_tokens=decoding.max_tokens,
-        temperature=0.0,
-        stop=STOP_STRINGS,
-        exit_threshold=decoding.exit_threshold,
-        min_loops=decoding.min_loops,
+        max_tokens=decoding.max_tokens, temperature=0.0, stop=STOP_STRINGS,
+        exit_threshold=decoding.exit_threshold, min_loops=decoding.min_loops,
         max_loops=decoding.max_loops,
-    )
+    )  # fmt: skip
 
     def generate(prompts: list[str]) -> list[Completion]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [
-            Completion(out.text, len(out.token_ids), out.mean_exit_depth, out.finish_reason)
-            for out in outputs
+            Completion(o.text, len(o.token_ids), o.mean_exit_depth, o.finish_reason)
+            for o in outputs
         ]
 
     return generate
