@@ -24,6 +24,11 @@ class LoadFormat(str, enum.Enum):
     DUMMY = "dummy"  # random weights from config.json alone
 
 
+class KVAllocation(str, enum.Enum):
+    INCREMENTAL = "incremental"  # pages as tokens arrive; preemption (swap to host) when short
+    RESERVE = "reserve"  # every page a request can need, reserved at admission; never preempted
+
+
 def setting(default: Any, help: str, *, flag: str | None = None, choices: Any = None) -> Any:
     """A config field with its help text (and, optionally, its command-line flag and choices)."""
     metadata = {"help": help, "flag": flag, "choices": choices}
@@ -62,6 +67,21 @@ class SchedulerConfig:
         "prompt is done, each token keeps only its final version (one plane of memory)",
     )
     block_size: int = setting(16, "tokens per KV page")
+    kv_allocation: KVAllocation = setting(
+        KVAllocation.INCREMENTAL,
+        "incremental: requests take KV pages as their tokens arrive, and when pages run out the "
+        "latest, lowest-priority request is swapped to host memory; reserve: admission reserves "
+        "every page a request can need (prompt + max_tokens), so nothing is ever preempted",
+    )
+    kv_watermark: float = setting(
+        0.01, "incremental: fraction of KV pages admission keeps free for running requests to grow"
+    )
+    prefix_caching: bool = setting(
+        True, "reuse the KV pages of prompt prefixes already computed (full pages, every plane)"
+    )
+    priority_bypass_limit: int = setting(
+        64, "a waiting request lets at most this many later, higher-priority requests go first"
+    )
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -70,6 +90,10 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.priority_bypass_limit < 0:
+            raise ValueError("priority_bypass_limit must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,12 @@
 
 Owns: `Request` and its derived positions. Must not: import torch.
 
-Lifecycle: WAITING -> RUNNING (admitted: a slot and a KV reservation) -> FINISHED. While RUNNING a
-request first prefills its prompt in chunks (`num_computed_tokens` chases `num_prompt_tokens`), then
-decodes: its newest output token is *in flight* in the decode step, which runs it loop by loop
-until it exits and the coda samples the next token (the host does not track its loops).
+Lifecycle: WAITING -> RUNNING (admitted: a slot and KV pages) -> FINISHED, with RUNNING -> WAITING
+when it is preempted (its K/V go to host memory and come back when it is admitted again). While
+RUNNING a request first prefills its prompt in chunks (`num_computed_tokens` chases
+`num_prompt_tokens`), then decodes: its newest output token is *in flight* in the decode step,
+which runs it loop by loop until it exits and the coda samples the next token (the host does not
+track its loops).
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class Request:
     # Prompt tokens whose K/V exist at every loop.
     num_computed_tokens: int = 0
     slot: int | None = None
+    # Scheduling bookkeeping: the order of arrival, how often later requests went first, the
+    # prompt's chained block hashes (prefix caching), and while preempted, the pages per plane
+    # its K/V hold in host memory.
+    arrival_index: int = 0
+    times_bypassed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
+    swapped_pages: list[int] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -48,6 +58,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt and not finished: its in-flight token is in the decode step."""
+        return not self.is_prefilling and self.status is RequestStatus.RUNNING
 
     @property
     def is_prefilling(self) -> bool:

@@ -75,7 +75,7 @@ def steady_engine(
         prompt = torch.randint(0, 49152, (512,), generator=generator).tolist()
         params = SamplingParams(max_tokens=1024, ignore_eos=True, temperature=temperature)
         engine.add_request(prompt, params)
-    while engine.scheduler.has_prompt_work():
+    while engine.scheduler.needs_sync():
         engine.step()
     for _ in range(20):
         engine.step()

@@ -58,7 +58,9 @@ class Engine:
             read_generation_defaults(model_dir) if model_dir is not None else GenerationDefaults()
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids + generation.eos_token_ids)
-        self.kv = KVCacheManager(self.info.num_kv_pages, scheduler_config.block_size)
+        self.kv = KVCacheManager(
+            self.info.num_kv_pages, scheduler_config.block_size, scheduler_config.prefix_caching
+        )
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -177,7 +179,7 @@ class Engine:
         back, so its outputs arrive with the next call; steps with prompt work are synchronous.
         """
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self.scheduler.has_prompt_work():
+        if self._in_flight is not None and self.scheduler.needs_sync():
             outputs += self._read_back()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
@@ -260,4 +262,7 @@ class Engine:
             rows_per_step=dict(sorted(scheduler.rows_per_step.items())),
             prefill_tokens=scheduler.prefill_tokens,
             generated_tokens=scheduler.generated_tokens,
+            kv_pages_cached=self.kv.num_cached_pages,
+            num_preemptions=scheduler.preemptions,
+            prefix_cache_hit_rate=scheduler.prefix_hit_rate,
         )

@@ -1,20 +1,26 @@
-"""Torch-free logical KV pages: ids, free list, reservations and per-request page tables per plane.
+"""Torch-free logical KV pages: the free pool, per-request page tables per plane, reference counts,
+reservations and the prefix cache.
 
-Owns: which page belongs to which (request, plane), and the admission arithmetic that keeps every
-admitted request able to finish. Must not: import torch or touch device memory (that is
-`kv.storage.KVStorage`), or know what the planes mean (that is `kv.layout`).
+Owns: which pages each (request, plane) table holds, how many tables reference each page, and the
+page arithmetic of admission. Must not: import torch or touch device memory (that is
+`kv.storage.KVStorage`), know what the planes mean (that is `kv.layout`), or decide who gets pages
+(that is the scheduler).
 
-A request reserves, when it is admitted, every page it can ever need (`KVLayout.pages_needed`);
-pages are then drawn from that reservation as its tables grow, and both are returned when it
-finishes. Since the free list always covers all outstanding reservations, no admitted request can
-run out of pages: admission never deadlocks and nothing needs preempting. Page 0 is the null page
-and is never given out.
+Every usable page is in exactly one place: the free list, the prefix cache's idle list (holding a
+cached block nobody references, reused oldest first when the free list is empty), or referenced by
+one or more table entries (prefix sharing). A request may hold a *reservation*: pages promised at
+admission and drawn as its tables grow (`kv_allocation="reserve"`); without one, tables grow from
+the pool and the scheduler makes room by preemption. Page 0 is the null page and is never given
+out.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from loopserve.engine.prefix_cache import PrefixCache
 from loopserve.kv.pages import NULL_PAGE, pages_for
 
 
@@ -26,17 +32,16 @@ class _RequestPages:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, block_size: int) -> None:
+    def __init__(self, num_pages: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_pages < 2:
             raise ValueError(
                 f"the KV cache needs at least 2 pages (one is the null page), got {num_pages}"
             )
         self.num_pages = num_pages
         self.block_size = block_size
-        self._free: list[int] = list(
-            range(num_pages - 1, NULL_PAGE, -1)
-        )  # pop() gives low ids first
-        self._owner: dict[int, str] = {}
+        self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))  # pop(): low ids first
+        self._refs: Counter[int] = Counter()
+        self.cache = PrefixCache() if prefix_caching else None
         self._requests: dict[str, _RequestPages] = {}
         self._total_reserved = 0
 
@@ -45,31 +50,40 @@ class KVCacheManager:
         return self.num_pages - 1
 
     @property
-    def num_free_pages(self) -> int:
-        return len(self._free)
+    def num_used_pages(self) -> int:
+        """Pages some request references."""
+        return len(self._refs)
 
     @property
-    def num_used_pages(self) -> int:
-        return self.num_usable_pages - len(self._free)
+    def num_cached_pages(self) -> int:
+        """Pages that hold a cached prompt block nobody references (reusable)."""
+        return self.cache.num_idle if self.cache is not None else 0
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a table can grow into: free ones and unreferenced cached ones."""
+        return len(self._free) + self.num_cached_pages
 
     @property
     def num_available_pages(self) -> int:
         """Free pages not promised to an admitted request."""
-        return len(self._free) - self._total_reserved
+        return self.num_free_pages - self._total_reserved
 
-    def can_reserve(self, num_pages: int) -> bool:
-        return num_pages <= self.num_available_pages
-
-    def reserve(self, request_id: str, num_planes: int, num_pages: int) -> None:
-        """Admit a request: promise it `num_pages` pages over `num_planes` page tables."""
+    def admit(self, request_id: str, num_planes: int, reserve: int = 0) -> None:
+        """Give a request empty page tables and, optionally, a reservation of `reserve` pages."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds KV pages")
-        if not self.can_reserve(num_pages):
+        if reserve > self.num_available_pages:
             raise ValueError(
-                f"cannot reserve {num_pages} pages: only {self.num_available_pages} are available"
+                f"cannot reserve {reserve} pages: only {self.num_available_pages} are available"
             )
-        self._requests[request_id] = _RequestPages([[] for _ in range(num_planes)], num_pages)
-        self._total_reserved += num_pages
+        self._requests[request_id] = _RequestPages([[] for _ in range(num_planes)], reserve)
+        self._total_reserved += reserve
+
+    def pages_to_grow(self, request_id: str, plane: int, num_tokens: int) -> int:
+        """New pages `grow(request_id, plane, num_tokens)` would take."""
+        table = self._requests[request_id].tables[plane]
+        return max(0, pages_for(num_tokens, self.block_size) - len(table))
 
     def grow(self, request_id: str, plane: int, num_tokens: int) -> tuple[int, list[int]]:
         """Extend a plane's table to cover `num_tokens` positions.
@@ -81,66 +95,113 @@ class KVCacheManager:
             raise ValueError(f"plane {plane} of {request_id!r} was already freed")
         table = pages.tables[plane]
         start = len(table)
-        missing = pages_for(num_tokens, self.block_size) - start
-        if missing <= 0:
-            return start, []
-        if missing > pages.reserved:
+        missing = self.pages_to_grow(request_id, plane, num_tokens)
+        from_reservation = min(missing, pages.reserved)
+        if missing - from_reservation > self.num_available_pages:
             raise RuntimeError(
-                f"request {request_id!r} needs {missing} more pages than it reserved; "
-                "the scheduler's reservation arithmetic is wrong"
+                f"request {request_id!r} needs {missing} more pages but only "
+                f"{self.num_available_pages} are available; the scheduler must make room first"
             )
-        new = [self._free.pop() for _ in range(missing)]
-        for page in new:
-            self._owner[page] = request_id
+        pages.reserved -= from_reservation
+        self._total_reserved -= from_reservation
+        new = [self._take_page() for _ in range(missing)]
+        self._refs.update(new)
         table.extend(new)
-        pages.reserved -= missing
-        self._total_reserved -= missing
         return start, new
 
-    def release_plane(self, request_id: str, plane: int) -> None:
-        """Free one plane's pages (the `shared` layout's prompt planes once prefill is done)."""
+    def cached_prefix(self, hashes: list[bytes], num_planes: int) -> list[list[int]]:
+        """Per block of the longest run of `hashes` cached in every plane: its page per plane."""
+        found: list[list[int]] = []
+        cache = self.cache
+        if cache is None:
+            return found
+        for block_hash in hashes:
+            pages = [cache.lookup((block_hash, plane)) for plane in range(num_planes)]
+            if None in pages:
+                break
+            found.append([page for page in pages if page is not None])
+        return found
+
+    def share_prefix(self, request_id: str, blocks: list[list[int]]) -> None:
+        """Put cached pages (`cached_prefix`'s answer) at the start of an empty request's tables."""
         pages = self._requests[request_id]
-        self._free_pages(pages.tables[plane])
+        assert self.cache is not None and all(not table for table in pages.tables)
+        for block in blocks:
+            for plane, page in enumerate(block):
+                if page not in self._refs:
+                    self.cache.unpark(page)
+                self._refs[page] += 1
+                pages.tables[plane].append(page)
+
+    def register(self, request_id: str, plane: int, block: int, block_hash: bytes) -> None:
+        """Block `block` of the request's plane now holds the prompt block `block_hash`."""
+        if self.cache is not None:
+            self.cache.insert((block_hash, plane), self._requests[request_id].tables[plane][block])
+
+    def release_plane(self, request_id: str, plane: int) -> None:
+        """Drop one plane's pages (the `shared` layout's prompt planes once prefill is done)."""
+        pages = self._requests[request_id]
+        self._drop(pages.tables[plane])
         pages.tables[plane] = []
         pages.freed_planes.add(plane)
 
     def free(self, request_id: str) -> None:
-        """Free every page of a request and cancel what is left of its reservation."""
+        """Drop every page of a request and cancel what is left of its reservation."""
         pages = self._requests.pop(request_id, None)
         if pages is None:
             return
         for table in pages.tables:
-            self._free_pages(table)
+            self._drop(table)
         self._total_reserved -= pages.reserved
 
-    def table(self, request_id: str, plane: int) -> list[int]:
-        return self._requests[request_id].tables[plane]
+    def num_idle(self, pages: Iterable[int]) -> int:
+        """How many of `pages` (cached pages) nobody references: sharing them takes them from
+        the pool."""
+        return sum(1 for page in pages if page not in self._refs)
 
-    def slot(self, request_id: str, plane: int, position: int) -> int:
-        """Flat KV slot (page * block_size + offset) of a position in a plane."""
-        page = self._requests[request_id].tables[plane][position // self.block_size]
-        return page * self.block_size + position % self.block_size
+    def tables(self, request_id: str) -> list[list[int]]:
+        return [list(table) for table in self._requests[request_id].tables]
+
+    def freed_planes(self, request_id: str) -> set[int]:
+        return set(self._requests[request_id].freed_planes)
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def _free_pages(self, table: list[int]) -> None:
+    def _take_page(self) -> int:
+        if self._free:
+            return self._free.pop()
+        assert self.cache is not None, "no page left to take"
+        return self.cache.evict()
+
+    def _drop(self, table: list[int]) -> None:
+        """One reference less to every page of `table`; unreferenced pages go back."""
         for page in table:
-            del self._owner[page]
-        self._free.extend(reversed(table))
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            del self._refs[page]
+            if self.cache is not None and self.cache.is_cached(page):
+                self.cache.park(page)
+            else:
+                self._free.append(page)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call this every step)."""
         free = set(self._free)
+        referenced = set(self._refs)
         assert len(free) == len(self._free), "a page is on the free list twice"
-        assert NULL_PAGE not in free and NULL_PAGE not in self._owner, (
-            "the null page was handed out"
+        assert NULL_PAGE not in free | referenced, "the null page was handed out"
+        assert not free & referenced, "a page is both free and referenced"
+        references = Counter(
+            page for pages in self._requests.values() for table in pages.tables for page in table
         )
-        assert not free & self._owner.keys(), "a page is both free and owned"
-        assert len(free) + len(self._owner) == self.num_usable_pages, "a page was lost"
-        for request_id, pages in self._requests.items():
-            for table in pages.tables:
-                assert all(self._owner[page] == request_id for page in table), "foreign page"
-            assert pages.reserved >= 0
+        assert references == self._refs, "reference counts differ from the page tables"
+        assert len(free) + len(referenced) + self.num_cached_pages == self.num_usable_pages, (
+            "a page was lost"
+        )
+        if self.cache is not None:
+            self.cache.check_invariants(referenced, free)
+        assert all(pages.reserved >= 0 for pages in self._requests.values())
         assert self._total_reserved == sum(p.reserved for p in self._requests.values())
-        assert self._total_reserved <= len(self._free), "reservations exceed free pages"
+        assert self._total_reserved <= self.num_free_pages, "reservations exceed free pages"

@@ -1,27 +1,36 @@
-"""Admission, prompt chunks and decode slots: what the next engine step runs.
+"""Admission, prompt chunks, decode slots, KV pages and preemption: what the next step runs.
 
-Owns: the waiting and running queues, admission against the KV reservation, request slots, prompt
-chunks within the token budget, handing a request's in-flight token to the decode step and taking
-it back, applying a step's results (tokens, finishes), and the torch-free statistics. Must not:
-import torch, or decide exits and refills: the decode step does, by `depth.policy`. Which planes a
-request holds and when they are freed comes from `kv.layout`.
+Owns: the waiting and running requests and their order (priority, then arrival, with a bound on
+how often a request is passed over), admission, request slots, prompt chunks within the token
+budget, growing every request's page tables before the step that needs them, preemption when
+pages run out, prefix-cache lookups and registrations, handing a request's in-flight token to the
+decode step and taking it back, and applying a step's results. Must not: import torch, or decide
+exits and refills: the decode step does, by `depth.policy`. Which planes a request holds and when
+they are freed comes from `kv.layout`.
 
-Prompt chunks run all their loops inside the step that schedules them. Once a prompt is done and
-its first token sampled, the request's slot is started in the decode step, which from then on runs
-one loop per step for it, next to slots at other depths, until the step (a stop token id,
-`max_tokens`) or the host (a stop string, an abort) ends it.
+Pages. With `kv_allocation="incremental"` a request holds pages for what it has computed plus
+what the next step can write: a prompt chunk's positions in every plane before the chunk runs,
+and for a decoding request the position after its in-flight token (the step may run one token
+ahead of what the host has read back). Admission keeps `kv_watermark` of the cache free so running
+requests can grow. When a request cannot grow, the latest, lowest-priority running request is
+preempted: its K/V are copied to host memory (bit for bit), its pages and slot freed, and it waits
+at its old place in line; admitted again, it gets new pages, its K/V come back, and its in-flight
+token restarts at loop 1 (which recomputes it exactly). With `kv_allocation="reserve"` admission
+reserves every page a request can need and nothing is ever preempted.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
+import math
 
-from loopserve.config import SchedulerConfig
+from loopserve.config import KVAllocation, SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
+from loopserve.engine.prefix_cache import block_hashes
 from loopserve.engine.scheduler_output import (
     DecodeResult,
+    PageMove,
     PageTableUpdate,
     PrefillChunk,
     RunnerOutput,
@@ -30,6 +39,7 @@ from loopserve.engine.scheduler_output import (
     SlotStart,
 )
 from loopserve.engine.stats import SchedulerStats
+from loopserve.kv.pages import pages_for
 from loopserve.request import Request, RequestStatus
 from loopserve.sampling_params import SamplingInfo
 
@@ -38,23 +48,26 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.layout = config.kv_layout
+        self.reserve = config.kv_allocation is KVAllocation.RESERVE
         self.kv = kv
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._running_by_id: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self._order = itertools.count()
-        self._waiting_keys: list[tuple[int, int]] = []
+        self._arrivals = itertools.count()
         self._free_slots = list(range(config.max_num_seqs))  # a heap: lowest slot first
         self._decoding: dict[int, str] = {}  # slot -> request id, for slots live in the step
         self._starts: list[SlotStart] = []
         self._stops: list[int] = []
         self._pending_clears: list[int] = []
+        self._swap_out: list[PageMove] = []
+        self._dropped_swaps: list[str] = []
+        self._watermark = math.ceil(config.kv_watermark * kv.num_usable_pages)
 
     # ----- requests in and out -------------------------------------------------------------
 
     def pages_needed(self, request: Request) -> int:
-        """Every page the request can ever hold (reserved at admission)."""
+        """Every page the request can ever hold at once."""
         return self.layout.pages_needed(
             request.params.max_loops,
             request.num_prompt_tokens,
@@ -77,17 +90,20 @@ class Scheduler:
                 f"{self.kv.num_usable_pages}; lower max_tokens or max_loops, use "
                 "kv_layout='shared', or give the KV cache more memory"
             )
-        key = (request.priority, next(self._order))
-        index = bisect.bisect(self._waiting_keys, key)
-        self._waiting_keys.insert(index, key)
-        self.waiting.insert(index, request)
+        request.arrival_index = next(self._arrivals)
+        if self.kv.cache is not None:
+            request.block_hashes = block_hashes(request.prompt_token_ids, self.config.block_size)
+        self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         for index, request in enumerate(self.waiting):
             if request.request_id == request_id:
-                del self.waiting[index], self._waiting_keys[index]
+                del self.waiting[index]
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = "abort"
+                if request.swapped_pages is not None:
+                    request.swapped_pages = None
+                    self._dropped_swaps.append(request_id)
                 return request
         running = self._running_by_id.get(request_id)
         if running is not None:
@@ -99,18 +115,22 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+        self._leave_slot(request, self._pending_clears)
+
+    def _leave_slot(self, request: Request, clears: list[int]) -> None:
+        """Free a running request's pages and slot (it finished or is preempted); its slot's
+        tables are cleared through `clears`."""
         self.running.remove(request)
         del self._running_by_id[request.request_id]
         self.kv.free(request.request_id)
         slot = request.slot
-        if slot is None:
-            return
+        assert slot is not None
         if self._decoding.get(slot) == request.request_id:
             del self._decoding[slot]
             self._starts = [start for start in self._starts if start.slot != slot]
             self._stops.append(slot)
         heapq.heappush(self._free_slots, slot)
-        self._pending_clears.append(slot)
+        clears.append(slot)
         request.slot = None
 
     @property
@@ -122,13 +142,19 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def has_prompt_work(self) -> bool:
-        """Whether the next step would run a prompt chunk."""
+    def needs_sync(self) -> bool:
+        """Whether the next step must see every earlier step's results first: it runs a prompt
+        chunk, or it may have to preempt (which must know where each token stands)."""
         if any(request.is_prefilling for request in self.running):
             return True
-        if not self.waiting or not self._free_slots:
-            return False
-        return self.kv.can_reserve(self.pages_needed(self.waiting[0]))
+        if (
+            self.waiting
+            and self._free_slots
+            and self._admission_cost(self._next_waiting()) is not None
+        ):
+            return True
+        growth = sum(self._decode_growth(request) for request in self.running)
+        return growth > self.kv.num_available_pages
 
     # ----- one step ------------------------------------------------------------------------
 
@@ -136,47 +162,97 @@ class Scheduler:
         self.stats.steps += 1
         output = SchedulerOutput(step=self.stats.steps)
         output.cleared_slots, self._pending_clears = self._pending_clears, []
+        for request in self._by_rank(self.running):
+            if request.status is RequestStatus.RUNNING and request.is_decoding:
+                self._cover_decode(request, output)
         budget = self.config.max_num_batched_tokens
-        for request in self.running:
-            if request.is_prefilling and budget > 0:
+        for request in self._by_rank(self.running):
+            if request.status is RequestStatus.RUNNING and request.is_prefilling and budget > 0:
                 budget -= self._schedule_chunk(request, budget, output)
         while self.waiting and self._free_slots and budget > 0:
-            request = self.waiting[0]
-            if not self.kv.can_reserve(self.pages_needed(request)):
+            request = self._next_waiting()
+            if not self._admit(request, output):
                 break  # strict order: a large request is not starved by smaller ones behind it
-            self._admit(request, output)
-            budget -= self._schedule_chunk(request, budget, output)
+            if request.is_prefilling:
+                # Chunks scheduled above may belong to requests ranked below this one: no
+                # preemption here (a preempted request must have nothing in this step).
+                budget -= self._schedule_chunk(request, budget, output, may_preempt=False)
+        output.swap_out, self._swap_out = self._swap_out, []
+        output.dropped_swaps, self._dropped_swaps = self._dropped_swaps, []
         output.slot_stops, self._stops = self._stops, []
         output.slot_starts, self._starts = self._starts, []
         output.decode_slots = self.decode_slots
         return output
 
-    def _admit(self, request: Request, output: SchedulerOutput) -> None:
-        self.waiting.pop(0)
-        self._waiting_keys.pop(0)
-        self.kv.reserve(request.request_id, request.params.max_loops, self.pages_needed(request))
-        request.slot = heapq.heappop(self._free_slots)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        self._running_by_id[request.request_id] = request
-        # The decode step moves positions on by itself, so every page is mapped from the start.
-        loops = request.params.max_loops
-        generated = self.layout.generated_planes(loops)
-        for plane in range(loops):
-            prompt_only = plane not in generated
-            tokens = request.num_prompt_tokens if prompt_only else self._num_positions(request)
-            self._grow(request, plane, tokens, output)
+    def _by_rank(self, requests: list[Request]) -> list[Request]:
+        """Most important first: urgent (passed over too often), then priority, then arrival."""
+        limit = self.config.priority_bypass_limit
+        return sorted(
+            requests,
+            key=lambda r: (r.times_bypassed < limit, r.priority, r.arrival_index),
+        )
 
-    def _grow(self, request: Request, plane: int, num_tokens: int, output: SchedulerOutput) -> None:
-        start, pages = self.kv.grow(request.request_id, plane, num_tokens)
-        if pages:
-            assert request.slot is not None
-            output.page_updates.append(PageTableUpdate(request.slot, plane, start, pages))
+    def _next_waiting(self) -> Request:
+        return self._by_rank(self.waiting)[0]
 
-    def _schedule_chunk(self, request: Request, budget: int, output: SchedulerOutput) -> int:
+    def _ensure_pages(
+        self,
+        request: Request,
+        tokens_per_plane: dict[int, int],
+        output: SchedulerOutput,
+        may_preempt: bool = True,
+    ) -> bool:
+        """Make room for the request's tables to cover `tokens_per_plane`, preempting requests
+        ranked below it when `may_preempt`; False when that is not enough."""
+        need = sum(
+            self.kv.pages_to_grow(request.request_id, plane, tokens)
+            for plane, tokens in tokens_per_plane.items()
+        )
+        while need > self.kv.num_available_pages:
+            lowest = self._by_rank(self.running)[-1]
+            if not may_preempt or lowest is request:
+                return False
+            self._preempt(lowest, output)
+        return True
+
+    def _grow(
+        self, request: Request, tokens_per_plane: dict[int, int], output: SchedulerOutput
+    ) -> None:
+        assert request.slot is not None
+        for plane, tokens in tokens_per_plane.items():
+            start, pages = self.kv.grow(request.request_id, plane, tokens)
+            if pages:
+                output.page_updates.append(PageTableUpdate(request.slot, plane, start, pages))
+
+    def _decode_targets(self, request: Request) -> dict[int, int]:
+        """Tokens each plane must cover before the next decode step: up to the position after
+        the in-flight token (the step may run one token ahead of the host)."""
+        tokens = min(request.position + 2, self._num_positions(request))
+        return {plane: tokens for plane in self.layout.generated_planes(request.params.max_loops)}
+
+    def _decode_growth(self, request: Request) -> int:
+        if not request.is_decoding:
+            return 0
+        targets = self._decode_targets(request)
+        return sum(self.kv.pages_to_grow(request.request_id, p, t) for p, t in targets.items())
+
+    def _cover_decode(self, request: Request, output: SchedulerOutput) -> None:
+        targets = self._decode_targets(request)
+        if self._ensure_pages(request, targets, output):
+            self._grow(request, targets, output)
+        else:
+            self._preempt(request, output)
+
+    def _schedule_chunk(
+        self, request: Request, budget: int, output: SchedulerOutput, may_preempt: bool = True
+    ) -> int:
         start = request.num_computed_tokens
         size = min(request.num_prompt_tokens - start, self.config.prefill_chunk_size, budget)
         end = start + size
+        targets = {plane: end for plane in range(request.params.max_loops)}
+        if not self._ensure_pages(request, targets, output, may_preempt):
+            return 0  # it waits for pages (nothing ranked below it holds any)
+        self._grow(request, targets, output)
         assert request.slot is not None
         output.prefill_chunks.append(
             PrefillChunk(
@@ -192,6 +268,88 @@ class Scheduler:
         self.stats.prefill_tokens += size
         return size
 
+    # ----- admission, preemption, resumption -----------------------------------------------
+
+    def _admission_cost(self, request: Request) -> int | None:
+        """Pages admitting the request now takes from the pool, or None if it cannot be admitted
+        now (in `incremental` mode `kv_watermark` of the cache stays free, unless nothing runs)."""
+        planes = request.params.max_loops
+        if request.swapped_pages is not None:
+            cost = sum(request.swapped_pages) + len(self.layout.generated_planes(planes))
+        elif self.reserve:
+            cost = self.pages_needed(request)
+        else:
+            hit = self._cached_blocks(request)
+            start = len(hit) * self.config.block_size
+            end = min(request.num_prompt_tokens, start + self.config.prefill_chunk_size)
+            chunk_pages = pages_for(end, self.config.block_size) - len(hit)
+            cost = planes * chunk_pages + self.kv.num_idle(page for block in hit for page in block)
+        margin = 0 if self.reserve or not self.running else self._watermark
+        return cost if cost + margin <= self.kv.num_available_pages else None
+
+    def _cached_blocks(self, request: Request) -> list[list[int]]:
+        """The cached prompt blocks it can share: at least one prompt token is always computed
+        (the first output token is sampled from it)."""
+        usable = (request.num_prompt_tokens - 1) // self.config.block_size
+        return self.kv.cached_prefix(request.block_hashes[:usable], request.params.max_loops)
+
+    def _admit(self, request: Request, output: SchedulerOutput) -> bool:
+        if self._admission_cost(request) is None:
+            return False
+        self.waiting.remove(request)
+        for other in self.waiting:
+            if other.arrival_index < request.arrival_index:
+                other.times_bypassed += 1
+        request.slot = heapq.heappop(self._free_slots)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._running_by_id[request.request_id] = request
+        reserve = self.pages_needed(request) if self.reserve else 0
+        self.kv.admit(request.request_id, request.params.max_loops, reserve)
+        if request.swapped_pages is not None:
+            self._resume(request, output)
+            return True
+        hit = self._cached_blocks(request)
+        self.stats.prefix_query_tokens += request.num_prompt_tokens
+        if hit:
+            self.kv.share_prefix(request.request_id, hit)
+            for plane, table in enumerate(self.kv.tables(request.request_id)):
+                output.page_updates.append(PageTableUpdate(request.slot, plane, 0, table))
+            request.num_computed_tokens = len(hit) * self.config.block_size
+            self.stats.prefix_hit_tokens += request.num_computed_tokens
+        return True
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
+        """Move a running request's K/V to host memory and put it back in line."""
+        tables = self.kv.tables(victim.request_id)
+        self._swap_out.append(PageMove(victim.request_id, [p for table in tables for p in table]))
+        victim.swapped_pages = [len(table) for table in tables]
+        slot = victim.slot
+        output.page_updates = [update for update in output.page_updates if update.slot != slot]
+        self._leave_slot(victim, output.cleared_slots)
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.stats.swapped_out_pages += sum(victim.swapped_pages)
+        self.waiting.append(victim)
+
+    def _resume(self, request: Request, output: SchedulerOutput) -> None:
+        """Give a preempted request new pages, its K/V back, and (decoding) its slot."""
+        assert request.swapped_pages is not None and request.slot is not None
+        pages: list[int] = []
+        for plane, count in enumerate(request.swapped_pages):
+            start, new = self.kv.grow(request.request_id, plane, count * self.config.block_size)
+            if new:
+                output.page_updates.append(PageTableUpdate(request.slot, plane, start, new))
+            pages += new
+        output.swap_in.append(PageMove(request.request_id, pages))
+        request.swapped_pages = None
+        if request.is_decoding:
+            for plane in self.layout.prompt_only_planes(request.params.max_loops):
+                self.kv.release_plane(request.request_id, plane)
+            self._grow(request, self._decode_targets(request), output)
+            self._start_slot(request)
+
     # ----- results -------------------------------------------------------------------------
 
     def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -201,7 +359,7 @@ class Scheduler:
             request = self._running_by_id.get(chunk.request_id)
             if request is None:
                 continue  # aborted while its chunk ran
-            request.num_computed_tokens += len(chunk.token_ids)
+            self._chunk_done(request, len(chunk.token_ids))
             if not chunk.completes_prompt:
                 continue
             assert token is not None
@@ -214,6 +372,16 @@ class Scheduler:
         if result.decode is not None:
             self._apply_decode(scheduled, result.decode, changed)
         return changed
+
+    def _chunk_done(self, request: Request, size: int) -> None:
+        """Count a computed chunk and offer its full prompt blocks to the prefix cache."""
+        block = self.config.block_size
+        first = request.num_computed_tokens // block
+        request.num_computed_tokens += size
+        for index in range(first, request.num_computed_tokens // block):
+            if index < len(request.block_hashes):
+                for plane in range(request.params.max_loops):
+                    self.kv.register(request.request_id, plane, index, request.block_hashes[index])
 
     def _start_slot(self, request: Request) -> None:
         assert request.slot is not None

@@ -43,6 +43,16 @@ class PageTableUpdate:
     page_ids: list[int]
 
 
+@dataclass(slots=True)
+class PageMove:
+    """Whole pages of one request between the device cache and host memory (preemption): the
+    K/V of `page_ids` (every plane's pages, plane by plane) are saved under `request_id`, or
+    written back into them."""
+
+    request_id: str
+    page_ids: list[int]
+
+
 @dataclass(frozen=True, slots=True)
 class SlotStart:
     """Hand a request's in-flight token to the decode step, which from then on runs its loops,
@@ -58,6 +68,12 @@ class SlotStart:
 @dataclass(slots=True)
 class SchedulerOutput:
     step: int
+    # Applied first: the K/V of preempted requests go to host memory before their pages are reused.
+    swap_out: list[PageMove] = field(default_factory=list)
+    # Applied after the page-table updates: resumed requests' K/V come back into new pages.
+    swap_in: list[PageMove] = field(default_factory=list)
+    # Saved K/V of requests that were aborted while preempted: forget them.
+    dropped_swaps: list[str] = field(default_factory=list)
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     page_updates: list[PageTableUpdate] = field(default_factory=list)
     # Slots whose page tables must be reset to the null page (their request left).
@@ -74,7 +90,18 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill_chunks and not self.decode_slots
+        """Nothing for the runner to do, not even bookkeeping (a stop, a cleared table)."""
+        return not (
+            self.prefill_chunks
+            or self.decode_slots
+            or self.swap_out
+            or self.swap_in
+            or self.dropped_swaps
+            or self.page_updates
+            or self.cleared_slots
+            or self.slot_stops
+            or self.slot_starts
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,17 @@ class SchedulerStats:
     rows_per_step: Counter[int] = field(default_factory=Counter)
     prefill_tokens: int = 0
     generated_tokens: int = 0
+    preemptions: int = 0
+    swapped_out_pages: int = 0
+    # Prompt tokens looked up in the prefix cache, and those found there.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
 
     @property
     def total_row_loops(self) -> int:
@@ -35,6 +46,7 @@ class EngineStats:
     kv_pages_total: int  # usable pages (the null page excluded)
     kv_pages_used: int
     kv_pages_free: int
+    kv_pages_cached: int  # free pages that still hold a cached prompt block
     steps: int
     decode_steps: int
     # Occupancy: decode rows per decode step, and rows executed at each loop index.
@@ -43,3 +55,5 @@ class EngineStats:
     rows_per_step: dict[int, int]
     prefill_tokens: int
     generated_tokens: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / prompt tokens

@@ -1,8 +1,9 @@
 """Device storage of the paged KV cache.
 
-Owns: one tensor holding every page of every layer, and whole-slot copies between pages (the
-copy-on-exit of the `full` layout). Must not: decide which page belongs to whom (that is the
-torch-free `KVCacheManager`), or know about planes: a page is a page, whichever plane it serves.
+Owns: one tensor holding every page of every layer, whole-slot copies between pages (the
+copy-on-exit of the `full` layout) and whole-page reads and writes (swapping a preempted request).
+Must not: decide which page belongs to whom (that is the torch-free `KVCacheManager`), or know
+about planes: a page is a page, whichever plane it serves.
 
 Layout: `cache[layer, 0 = K | 1 = V, page, offset, kv_head, head_dim]`. A flat *slot* is
 `page * block_size + offset`. Page 0 is the null page: padding entries of page tables point at it
@@ -56,3 +57,11 @@ class KVStorage:
             self.num_layers, 2, self.num_pages * self.block_size, self.num_kv_heads, self.head_dim
         )
         flat[:, :, destination] = flat[:, :, source]
+
+    def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """K/V of every layer of `pages` [N] int64: [L, 2, N, block, Nkv, D]."""
+        return self.cache.index_select(2, pages)
+
+    def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        """Store `data` ([L, 2, N, block, Nkv, D], `read_pages`'s shape) into `pages` [N]."""
+        self.cache.index_copy_(2, pages, data)

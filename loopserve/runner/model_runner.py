@@ -35,6 +35,7 @@ from loopserve.runner.decode_step import (
     SamplingKind,
 )
 from loopserve.runner.prefill import PromptRunner, sampled_token
+from loopserve.runner.swap import HostSwap
 
 
 class PendingOutput:
@@ -95,6 +96,7 @@ class ModelRunner:
         block_tables: BlockTables,
         decode: DecodeStep,
         prompts: PromptRunner,
+        swap: HostSwap,
         info: RunnerInfo,
         graphs: GraphedDecodeStep | None = None,
     ) -> None:
@@ -102,6 +104,7 @@ class ModelRunner:
         self.block_tables = block_tables
         self.decode = decode
         self.prompts = prompts
+        self.swap = swap
         self.graphs = graphs
         self.device = block_tables.device
         self._info = info
@@ -113,7 +116,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> PendingOutput:
         """Run one step. Only the decode step's part may still be running when this returns."""
+        self.swap.save(scheduled.swap_out)  # before any page it frees is written again
         self.block_tables.apply(scheduled.page_updates, scheduled.cleared_slots)
+        self.swap.restore(scheduled.swap_in)
+        self.swap.drop(scheduled.dropped_swaps)
         record, event, counts = self._run_decode(scheduled)
         prefill_tokens: list[SampledToken | None] = []
         if scheduled.prefill_chunks:

@@ -31,6 +31,7 @@ from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep
 from loopserve.runner.kv_budget import check_one_request_fits, num_kv_pages
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.prefill import PromptRunner
+from loopserve.runner.swap import HostSwap
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
     logger.info("runner: %s", info)
     graphs = GraphedDecodeStep(decode, scheduler.max_num_seqs) if choice.cuda_graphs else None
     prompts = PromptRunner(model, kv, backend, tables)
-    return ModelRunner(model, tables, decode, prompts, info, graphs)
+    return ModelRunner(model, tables, decode, prompts, HostSwap(kv), info, graphs)
 
 
 def _attention_spec(

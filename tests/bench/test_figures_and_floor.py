@@ -89,7 +89,9 @@ def test_ouro_1_4b_batch_1_floor_is_2_35_ms_on_an_h200() -> None:
         kv_bytes_per_token_plane=2 * layers * 16 * 128 * 2,
         core_params=core_params,
     )
-    assert ouro.kv_bytes_per_token_plane == 192 * 1024  # 2 (K, V) x 24 layers x 16 heads x 128 x 2 bytes
+    assert (
+        ouro.kv_bytes_per_token_plane == 192 * 1024
+    )  # 2 (K, V) x 24 layers x 16 heads x 128 x 2 bytes
     h200 = Ceilings(copy_bytes_per_s=4.28e12, matmul_flops_per_s=790e12)
     assert 1000 * per_token_floor_s(ouro, h200, depth=4, context=0) == pytest.approx(2.35, abs=0.01)
 

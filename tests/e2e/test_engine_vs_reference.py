@@ -13,6 +13,7 @@ import pytest
 from loopserve.config import EngineConfig
 from loopserve.depth.trace import D2_6
 from loopserve.engine.engine import Engine
+from loopserve.engine.stats import EngineStats
 from loopserve.models.checkpoint_writer import write_random_checkpoint
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.reference import SerialReference
@@ -58,22 +59,21 @@ def run_engine(
     scheduling: str,
     count: int,
     chunk: int,
+    prompts: list[list[int]] = PROMPTS,
     **options: object,
 ) -> dict[str, tuple[list[int], list[int]]]:
-    engine = Engine(
-        EngineConfig.from_options(
-            model=str(checkpoint),
-            kv_layout=layout,
-            exit_mode=MODES[mode][0],
-            scheduling=scheduling,
-            prefill_chunk_size=chunk,
-            max_num_batched_tokens=max(chunk, 16),
-            max_num_seqs=8,
-            num_kv_pages=256,
-            trace_distribution=D2_6[: engine_loops(checkpoint)],
-            **options,
-        )
-    )
+    settings: dict[str, object] = {
+        "model": str(checkpoint),
+        "kv_layout": layout,
+        "exit_mode": MODES[mode][0],
+        "scheduling": scheduling,
+        "prefill_chunk_size": chunk,
+        "max_num_batched_tokens": max(chunk, 16),
+        "max_num_seqs": 8,
+        "num_kv_pages": 256,
+        "trace_distribution": D2_6[: engine_loops(checkpoint)],
+    }
+    engine = Engine(EngineConfig.from_options(**(settings | options)))
     loops = engine.model_config.num_loops
     results: dict[str, tuple[list[int], list[int]]] = {}
     step = 0
@@ -81,14 +81,20 @@ def run_engine(
         if step % 2 == 0 and step // 2 < count:  # staggered arrivals: one every other step
             index = step // 2
             engine.add_request(
-                PROMPTS[index], params_for(index, mode, loops), request_id=str(index)
+                prompts[index], params_for(index, mode, loops), request_id=str(index)
             )
         for output in engine.step():
             if output.finished:
                 results[output.request_id] = (output.token_ids, output.exit_depths)
         step += 1
-    assert engine.stats().kv_pages_used == 0
+    stats = engine.stats()
+    assert stats.kv_pages_used == 0
+    RUN_STATS[checkpoint, layout, mode, scheduling, count, chunk] = stats
     return results
+
+
+# The statistics of each run_engine call, for the guards that preemption and prefix hits happened.
+RUN_STATS: dict[tuple[object, ...], EngineStats] = {}
 
 
 def engine_loops(checkpoint: Path) -> int:
@@ -131,14 +137,17 @@ def reference(checkpoint: Path):  # type: ignore[no-untyped-def]
     distribution = D2_6[:loops]
 
     @cache
-    def run(layout: str, mode: str, index: int) -> tuple[list[int], list[int]]:
+    def run(
+        layout: str, mode: str, index: int, prompt: tuple[int, ...] | None = None
+    ) -> tuple[list[int], list[int]]:
         serial = SerialReference(
             engine.runner.model,  # type: ignore[attr-defined]
             kv_layout=layout,
             exit_mode=MODES[mode][0],
             trace_distribution=distribution,
         )
-        out = serial.generate(PROMPTS[index], engine.resolve(params_for(index, mode, loops)))
+        tokens = PROMPTS[index] if prompt is None else list(prompt)
+        out = serial.generate(tokens, engine.resolve(params_for(index, mode, loops)))
         return out.token_ids, out.exit_depths
 
     return run
@@ -187,3 +196,44 @@ def test_adaptive_modes_really_vary_the_depth(reference, mode: str) -> None:  # 
     delayed exit is always at loop 2: the test cannot hold before loop 1 ends.)"""
     depths = [d for index in range(len(PROMPTS)) for d in reference("full", mode, index)[1][1:]]
     assert len(set(depths)) >= 2, depths
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_preempted_requests_keep_every_token_and_depth(
+    checkpoint: Path, reference, layout: str, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A cache of 30 pages: requests are swapped out and back in while they grow."""
+    results = run_engine(checkpoint, layout, mode, "refill", 8, 5, num_kv_pages=20)
+    assert RUN_STATS[checkpoint, layout, mode, "refill", 8, 5].num_preemptions > 0
+    for index in range(8):
+        assert results[str(index)] == reference(layout, mode, index), f"request {index}"
+
+
+# Six prompts sharing 36 tokens (two full pages of 16), then their own.
+SHARED_PREFIX = list(range(50, 86))
+PREFIXED = [SHARED_PREFIX + prompt[: 3 + index] for index, prompt in enumerate(PROMPTS[:6])]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefix_cache_hits_give_the_tokens_of_a_miss(
+    checkpoint: Path, reference, layout: str, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    results = run_engine(checkpoint, layout, mode, "refill", 6, 7, prompts=PREFIXED)
+    assert RUN_STATS[checkpoint, layout, mode, "refill", 6, 7].prefix_cache_hit_rate > 0.3
+    for index, prompt in enumerate(PREFIXED):
+        expected = reference(layout, mode, index, tuple(prompt))
+        assert results[str(index)] == expected, f"request {index}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reserved_allocation_equals_serial_reference(
+    checkpoint: Path, reference, layout: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The worst-case reservation mode, with the prefix cache off."""
+    results = run_engine(
+        checkpoint, layout, "ouro", "refill", 8, 5, kv_allocation="reserve", prefix_caching=False
+    )
+    for index in range(8):
+        assert results[str(index)] == reference(layout, "ouro", index), f"request {index}"

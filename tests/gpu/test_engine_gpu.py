@@ -145,7 +145,7 @@ def test_steady_state_steps_do_not_synchronise(checkpoint: Path) -> None:
         engine.add_request(
             prompt, SamplingParams(max_tokens=200, ignore_eos=True, exit_threshold=0.6)
         )
-    while engine.scheduler.has_prompt_work() or engine.runner.graphs.num_captured == 0:  # type: ignore[union-attr]
+    while engine.scheduler.needs_sync() or engine.runner.graphs.num_captured == 0:  # type: ignore[union-attr]
         engine.step()
     for _ in range(10):  # every bucket and kind this batch needs is captured by now
         engine.step()

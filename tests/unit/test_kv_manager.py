@@ -4,21 +4,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loopserve.engine.kv_manager import NULL_PAGE, KVCacheManager
+from loopserve.engine.kv_manager import KVCacheManager
+from loopserve.engine.prefix_cache import block_hashes
+from loopserve.kv.pages import NULL_PAGE
 from tests.unit.fake_model import FakeLoopedModel, make_engine, params, prompt
 
 
 def test_reserve_grow_release_free() -> None:
-    kv = KVCacheManager(num_pages=20, block_size=4)
-    kv.reserve("a", num_planes=2, num_pages=6)
+    kv = KVCacheManager(num_pages=20, block_size=4, prefix_caching=False)
+    kv.admit("a", num_planes=2, reserve=6)
     assert kv.num_available_pages == 19 - 6
-    start, pages = kv.grow("a", 0, 9)  # 3 pages
+    start, pages = kv.grow("a", 0, 9)  # 3 pages, drawn from the reservation
     assert start == 0 and len(pages) == 3 and NULL_PAGE not in pages
     assert kv.grow("a", 0, 12) == (3, [])  # still covered
-    assert kv.slot("a", 0, 5) == pages[1] * 4 + 1
-    kv.grow("a", 1, 12)
-    with pytest.raises(RuntimeError, match="more pages than it reserved"):
-        kv.grow("a", 1, 13)
+    assert kv.num_available_pages == 19 - 6
+    kv.grow("a", 1, 16)  # 3 more from the reservation, 1 from the pool
+    assert kv.num_available_pages == 19 - 7
     kv.release_plane("a", 1)
     with pytest.raises(ValueError, match="already freed"):
         kv.grow("a", 1, 4)
@@ -27,14 +28,51 @@ def test_reserve_grow_release_free() -> None:
     assert kv.num_free_pages == 19 and kv.num_available_pages == 19
 
 
-def test_reservations_cannot_exceed_free_pages() -> None:
+def test_growth_beyond_the_pool_is_refused() -> None:
     kv = KVCacheManager(num_pages=10, block_size=4)
-    kv.reserve("a", 1, 8)
-    assert not kv.can_reserve(2)
+    kv.admit("a", 1, reserve=8)
     with pytest.raises(ValueError, match="only 1 are available"):
-        kv.reserve("b", 1, 2)
+        kv.admit("b", 1, reserve=2)
+    kv.admit("b", 1)
+    kv.grow("b", 0, 4)
+    with pytest.raises(RuntimeError, match="must make room first"):
+        kv.grow("b", 0, 8)
     kv.free("a")
-    assert kv.can_reserve(9)
+    kv.free("b")
+    kv.check_invariants()
+
+
+def test_prefix_pages_are_shared_counted_and_reused_last() -> None:
+    kv = KVCacheManager(num_pages=12, block_size=4)
+    hashes = block_hashes(list(range(12)), 4)  # three full blocks
+    kv.admit("a", num_planes=2)
+    for plane in range(2):
+        kv.grow("a", plane, 12)
+        for block, block_hash in enumerate(hashes):
+            kv.register("a", plane, block, block_hash)
+    hit = kv.cached_prefix(hashes[:2], num_planes=2)
+    assert hit == [
+        [kv.tables("a")[0][0], kv.tables("a")[1][0]],
+        [kv.tables("a")[0][1], kv.tables("a")[1][1]],
+    ]
+    kv.admit("b", num_planes=2)
+    kv.share_prefix("b", hit)
+    assert kv.num_used_pages == 6  # b's tables point at a's pages
+    kv.check_invariants()
+    kv.free("a")
+    assert kv.num_used_pages == 4 and kv.num_cached_pages == 2  # a's third blocks stay cached
+    kv.free("b")
+    assert kv.num_used_pages == 0 and kv.num_cached_pages == 6
+    assert kv.cached_prefix(hashes, num_planes=2) != []
+    # Cached pages are handed out only when the free list is empty, oldest first.
+    kv.admit("c", num_planes=1)
+    kv.grow("c", 0, 4 * 5)
+    assert kv.num_cached_pages == 6
+    kv.grow("c", 0, 4 * 6)
+    assert kv.num_cached_pages == 5
+    kv.check_invariants()
+    assert block_hashes([1, 2, 3, 4, 9], 4) == block_hashes([1, 2, 3, 4, 7], 4)  # full blocks
+    assert block_hashes([0, 2, 3, 4], 4) != block_hashes([1, 2, 3, 4], 4)
 
 
 events = st.lists(
