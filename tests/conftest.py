@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoint
 from loopserve.models.ouro_config import OuroConfig
+
+# The tests' tensors are tiny: intra-op threads only contend (on 2 cores, several times slower);
+# subprocesses (the CLI and server tests) inherit the setting through the environment.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Small enough for fast CPU tests, large enough to exercise GQA, several layers and 4 loops.
 TINY_CONFIG = OuroConfig(

@@ -80,6 +80,10 @@ class KVCacheManager:
         self._requests[request_id] = _RequestPages([[] for _ in range(num_planes)], reserve)
         self._total_reserved += reserve
 
+    def reservation(self, request_id: str) -> int:
+        """Pages still promised to the request."""
+        return self._requests[request_id].reserved
+
     def pages_to_grow(self, request_id: str, plane: int, num_tokens: int) -> int:
         """New pages `grow(request_id, plane, num_tokens)` would take."""
         table = self._requests[request_id].tables[plane]

@@ -208,6 +208,7 @@ class Scheduler:
             self.kv.pages_to_grow(request.request_id, plane, tokens)
             for plane, tokens in tokens_per_plane.items()
         )
+        need -= min(need, self.kv.reservation(request.request_id))
         while need > self.kv.num_available_pages:
             lowest = self._by_rank(self.running)[-1]
             if not may_preempt or lowest is request:
@@ -234,7 +235,8 @@ class Scheduler:
         if not request.is_decoding:
             return 0
         targets = self._decode_targets(request)
-        return sum(self.kv.pages_to_grow(request.request_id, p, t) for p, t in targets.items())
+        need = sum(self.kv.pages_to_grow(request.request_id, p, t) for p, t in targets.items())
+        return max(0, need - self.kv.reservation(request.request_id))
 
     def _cover_decode(self, request: Request, output: SchedulerOutput) -> None:
         targets = self._decode_targets(request)
@@ -276,16 +278,21 @@ class Scheduler:
         planes = request.params.max_loops
         if request.swapped_pages is not None:
             cost = sum(request.swapped_pages) + len(self.layout.generated_planes(planes))
-        elif self.reserve:
-            cost = self.pages_needed(request)
         else:
             hit = self._cached_blocks(request)
-            start = len(hit) * self.config.block_size
-            end = min(request.num_prompt_tokens, start + self.config.prefill_chunk_size)
-            chunk_pages = pages_for(end, self.config.block_size) - len(hit)
-            cost = planes * chunk_pages + self.kv.num_idle(page for block in hit for page in block)
+            idle_hits = self.kv.num_idle(page for block in hit for page in block)
+            if self.reserve:
+                cost = self._reservation(request, len(hit)) + idle_hits
+            else:
+                start = len(hit) * self.config.block_size
+                end = min(request.num_prompt_tokens, start + self.config.prefill_chunk_size)
+                cost = planes * (pages_for(end, self.config.block_size) - len(hit)) + idle_hits
         margin = 0 if self.reserve or not self.running else self._watermark
         return cost if cost + margin <= self.kv.num_available_pages else None
+
+    def _reservation(self, request: Request, hit_blocks: int) -> int:
+        """`reserve` mode: every page the request can need beyond the cached ones it shares."""
+        return self.pages_needed(request) - hit_blocks * request.params.max_loops
 
     def _cached_blocks(self, request: Request) -> list[list[int]]:
         """The cached prompt blocks it can share: at least one prompt token is always computed
@@ -304,12 +311,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._running_by_id[request.request_id] = request
-        reserve = self.pages_needed(request) if self.reserve else 0
-        self.kv.admit(request.request_id, request.params.max_loops, reserve)
-        if request.swapped_pages is not None:
+        if request.swapped_pages is not None:  # never in `reserve` mode: nothing is preempted
+            self.kv.admit(request.request_id, request.params.max_loops)
             self._resume(request, output)
             return True
         hit = self._cached_blocks(request)
+        reserve = self._reservation(request, len(hit)) if self.reserve else 0
+        self.kv.admit(request.request_id, request.params.max_loops, reserve)
         self.stats.prefix_query_tokens += request.num_prompt_tokens
         if hit:
             self.kv.share_prefix(request.request_id, hit)
