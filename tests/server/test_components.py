@@ -84,7 +84,12 @@ class FakeEngine:
         return outputs
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.running), 0, 10, 0, 10, 0, 0, 0.0, {}, {}, 0, 0)
+        return EngineStats(
+            num_running=len(self.running), num_waiting=0, kv_pages_total=10, kv_pages_used=0,
+            kv_pages_free=10, kv_pages_cached=0, steps=0, decode_steps=0,
+            mean_rows_per_decode_step=0.0, row_loops_by_loop={}, rows_per_step={},
+            prefill_tokens=0, generated_tokens=0, num_preemptions=0, prefix_cache_hit_rate=0.0,
+        )  # fmt: skip
 
 
 def _requests(*prompts: list[int]) -> list[EngineRequest]:
