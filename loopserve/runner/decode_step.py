@@ -50,6 +50,7 @@ class SamplingKind:
 
     all_greedy: bool
     needs_filter: bool
+    any_logprobs: bool
     num_logprobs: int
 
 
@@ -147,6 +148,7 @@ class DecodeStep:
         return SamplingKind(
             all_greedy=all(self._greedy_host[slot] for slot in slots),
             needs_filter=any(self._filter_host[slot] for slot in slots),
+            any_logprobs=any(self.logprob_counts[slot] is not None for slot in slots),
             num_logprobs=max(counts, default=0) and 20,
         )
 
@@ -258,6 +260,7 @@ class DecodeStep:
             all_greedy=kind.all_greedy,
             num_logprobs=kind.num_logprobs,
             logprob_counts=self.logprob_counts[:rows],
+            any_logprobs=kind.any_logprobs,
         )
 
 

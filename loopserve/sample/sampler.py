@@ -47,6 +47,7 @@ class SamplingBatch:
     all_greedy: bool
     num_logprobs: int  # the most alternatives any row asked for (0 when none)
     logprob_counts: list[int | None]  # per row: alternatives asked for, None for no log-probs
+    any_logprobs: bool  # some row asked for log-probs (else none are computed)
 
     @classmethod
     def build(
@@ -68,6 +69,7 @@ class SamplingBatch:
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             logprob_counts=[p.logprobs for p in params],
+            any_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -94,8 +96,7 @@ def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    """logits [R, V] fp32 -> tokens and log-probs."""
-    raw_logprobs = logits.log_softmax(dim=-1)
+    """logits [R, V] fp32 -> tokens and log-probs (zeros when no row asked for log-probs)."""
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -104,6 +105,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
             scaled = _filter(scaled, batch)
         noisy = scaled + gumbel_noise(batch.seeds, batch.counters, logits.shape[-1])
         tokens = torch.where(batch.greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+    if not batch.any_logprobs:
+        rows = logits.shape[0]
+        nothing = logits.new_zeros(rows, 0)
+        return SampleResult(tokens, logits.new_zeros(rows), nothing.long(), nothing)
+    raw_logprobs = logits.log_softmax(dim=-1)
     chosen = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
     return SampleResult(tokens, chosen, top_ids, top_logprobs)

@@ -53,9 +53,14 @@ def test_filters(params: SamplingParams, allowed: set[int]) -> None:
 def test_greedy_rows_mixed_with_sampled_rows() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
     infos = [
-        SamplingInfo(SamplingParams(temperature=0.0), 1, 0),
+        SamplingInfo(SamplingParams(temperature=0.0, logprobs=0), 1, 0),
         SamplingInfo(SamplingParams(temperature=100.0), 1, 0),
     ]
     result = sample(logits, batch_of(*infos, vocab=3))
     assert int(result.tokens[0]) == 1
     torch.testing.assert_close(result.logprobs[0], logits[0].log_softmax(-1)[1])
+    # Without any row asking for log-probs none are computed (the tokens are the same).
+    plain = [SamplingInfo(SamplingParams(temperature=t), 1, 0) for t in (0.0, 100.0)]
+    unlogged = sample(logits, batch_of(*plain, vocab=3))
+    assert torch.equal(unlogged.tokens, result.tokens)
+    assert unlogged.top_ids.shape == (2, 0) and not unlogged.logprobs.any()
