@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,38 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .server_testing import write_tiny_model
+from .server_testing import free_port, start_serve_process, write_tiny_model
 
 SHUTDOWN_TIMEOUT_S = 2
 LONG_MAX_TOKENS = 4000  # thousands of engine steps: cannot finish within the timeout
 
 
-_CLI = "import sys; from loopserve.entrypoints.cli import main; sys.exit(main())"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-c", _CLI,
-        "serve", "--model", str(model), "--port", str(port), "--served-model-name", "tiny",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "4096",
-        "--uvicorn-log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"the server did not start: {process.communicate()[1].decode()[-2000:]}")
+    flags = ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "4096"]
+    return start_serve_process(model, port, *flags)
 
 
 def _wait_for_running(port: int, count: int) -> None:
@@ -113,7 +88,7 @@ class _Unstreamed(threading.Thread):
 @pytest.mark.slow
 def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "model", max_model_len=LONG_MAX_TOKENS + 64)
-    port = _free_port()
+    port = free_port()
     process = _start_server(model, port)
     try:
         long, short = _Stream(port, LONG_MAX_TOKENS), _Stream(port, 24)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,10 @@ from starlette.requests import ClientDisconnect, Request
 
 from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
 
-# A lone UTF-16 surrogate: a str can hold one (JSON's "\ud800"), UTF-8 cannot encode it.
+# A lone UTF-16 surrogate: a str can hold one (JSON's "\ud800"), UTF-8 cannot encode it. Only
+# an escape in the body can put one there (the decoder refuses encoded surrogates).
 _SURROGATE = re.compile("[\ud800-\udfff]")
-# Scalars the parser returns that need no further check (ints and floats are checked there).
-_PLAIN = frozenset({int, float, bool, type(None)})
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +56,26 @@ def parse_json_body(body: bytes, limits: BodyLimits) -> dict[str, Any]:
     if not body:
         raise bad_request("the request body is empty; send a JSON object")
     numbers = _NumberParser(limits.max_number_digits)
+    objects = _ObjectCounter(limits.max_objects)
     try:
         value = json.loads(
-            body, parse_int=numbers.integer, parse_float=numbers.real, parse_constant=_Rejected
+            body,
+            parse_int=numbers.integer,
+            parse_float=numbers.real,
+            parse_constant=numbers.constant,
+            object_hook=objects.count,
         )
     except RecursionError:
         raise _too_deep(limits.max_depth, ()) from None
+    except _TooManyObjects:
+        message = f"the JSON body holds more than {limits.max_objects} objects (--max-json-objects)"
+        raise bad_request(message) from None
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
         raise bad_request(f"the request body is not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise bad_request("the request body must be a JSON object")
-    _check_structure(value, limits)
+    strings = _ESCAPED_SURROGATE.search(body) is not None  # else no string can hold one
+    _check_structure(value, limits, strings, numbers.rejected)
     return value
 
 
@@ -77,9 +87,29 @@ class _Rejected:
         self.reason = reason
 
 
+class _TooManyObjects(Exception):
+    pass
+
+
+class _ObjectCounter:
+    """Stops the parser at the first object past the limit, before it builds the rest."""
+
+    def __init__(self, max_objects: int) -> None:
+        self._left = max_objects
+
+    def count(self, value: dict[str, Any]) -> dict[str, Any]:
+        self._left -= 1
+        if self._left < 0:
+            raise _TooManyObjects
+        return value
+
+
 class _NumberParser:
+    """Number literals as ints and floats, or `_Rejected` for one too long or not finite."""
+
     def __init__(self, max_digits: int) -> None:
         self._max_digits = max_digits
+        self.rejected = False  # whether any number was
 
     def integer(self, literal: str) -> int | _Rejected:
         if len(literal) > self._max_digits:
@@ -90,54 +120,54 @@ class _NumberParser:
         if len(literal) > self._max_digits:
             return self._too_long(literal)
         value = float(literal)
-        return value if abs(value) != float("inf") else _Rejected(literal)
+        return value if abs(value) != float("inf") else self.constant(literal)
+
+    def constant(self, literal: str) -> _Rejected:
+        """Also NaN, Infinity, -Infinity: Python's JSON extensions, not JSON."""
+        self.rejected = True
+        return _Rejected(literal)
 
     def _too_long(self, literal: str) -> _Rejected:
-        reason = (
-            f"numbers may have at most {self._max_digits} characters (--max-json-number-digits)"
-        )
-        return _Rejected(f"{literal[:20]}... ({len(literal)} characters)", reason)
+        self.rejected = True
+        limit = f"numbers may have at most {self._max_digits} characters (--max-json-number-digits)"
+        return _Rejected(f"{literal[:20]}... ({len(literal)} characters)", limit)
 
 
 _Path = tuple[str | int, ...]
 
 
-def _check_structure(body: dict[str, Any], limits: BodyLimits) -> None:
-    """Depth, object count, rejected numbers and surrogates, container by container (no
-    recursion, and whole lists of plain scalars are checked at C speed)."""
-    num_objects = 0
+def _check_structure(
+    body: dict[str, Any], limits: BodyLimits, strings: bool, numbers: bool
+) -> None:
+    """Depth, and (when asked) lone surrogates in strings and keys and rejected numbers,
+    container by container: no recursion, and a container holding nothing to look at costs one
+    C-speed pass over its values."""
+    interesting = {dict, list} | ({str} if strings else set()) | ({_Rejected} if numbers else set())
     pending: list[tuple[dict[str, Any] | list[Any], _Path]] = [(body, ())]
     while pending:
         container, path = pending.pop()
         if len(path) >= limits.max_depth:
             raise _too_deep(limits.max_depth, path)
         if isinstance(container, dict):
-            num_objects += 1
-            if num_objects > limits.max_objects:
-                raise _too_many_objects(limits.max_objects, path)
-            keys: list[str | int] = list(container)
-            if _SURROGATE.search("".join(container)):
-                _raise_at_surrogate(keys, path, "a key")
-            values = list(container.values())
+            if strings and _SURROGATE.search("".join(container)):
+                raise _surrogate(path, "a key")
+            values: Iterable[Any] = container.values()
+            items: Iterable[tuple[str | int, Any]] = container.items()
         else:
-            keys, values = list(range(len(container))), container
+            values, items = container, enumerate(container)
         kinds = set(map(type, values))
-        if kinds <= _PLAIN or (kinds == {str} and not _SURROGATE.search("".join(values))):
+        if kinds.isdisjoint(interesting):
             continue
-        for key, value in zip(keys, values, strict=True):
-            if isinstance(value, (dict, list)):
+        if kinds == {str} and not _SURROGATE.search("".join(values)):
+            continue
+        for key, value in items:
+            if type(value) in (dict, list):
                 pending.append((value, (*path, key)))
-            elif isinstance(value, str) and _SURROGATE.search(value):
+            elif strings and type(value) is str and _SURROGATE.search(value):
                 raise _surrogate((*path, key), "a string")
-            elif isinstance(value, _Rejected):
+            elif type(value) is _Rejected:
                 message = f"{_where((*path, key))}{value.literal} is not accepted: {value.reason}"
                 raise bad_request(message, _param((*path, key)))
-
-
-def _raise_at_surrogate(keys: list[str | int], path: _Path, what: str) -> None:
-    for key in keys:
-        if isinstance(key, str) and _SURROGATE.search(key):
-            raise _surrogate(path, what)
 
 
 def _surrogate(path: _Path, what: str) -> OpenAIError:
@@ -152,11 +182,6 @@ def _too_deep(limit: int, path: _Path) -> OpenAIError:
     message = (
         f"{_where(path)}the JSON body is nested more than {limit} levels deep (--max-json-depth)"
     )
-    return bad_request(message, _param(path))
-
-
-def _too_many_objects(limit: int, path: _Path) -> OpenAIError:
-    message = f"{_where(path)}the JSON body holds more than {limit} objects (--max-json-objects)"
     return bad_request(message, _param(path))
 
 
