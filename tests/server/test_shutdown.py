@@ -116,3 +116,17 @@ def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
     assert 0 < long.num_tokens < LONG_MAX_TOKENS
     assert waiting.status == 503 and waiting.error["type"] == "server_error"
     assert b"Traceback" not in stderr, stderr.decode()[-2000:]
+
+
+def test_ctrl_c_on_an_idle_server_is_one_line_and_exit_code_130(tmp_path: Path) -> None:
+    process = start_serve_process(write_tiny_model(tmp_path / "model"), free_port())
+    try:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = stderr.decode()
+    assert process.returncode == 130, text[-2000:]
+    assert "Traceback" not in text and "CancelledError" not in text, text[-2000:]
+    assert text.strip().splitlines() == ["loopserve serve: interrupted"]
