@@ -8,6 +8,9 @@ names (`*_ms` latencies with mean/median/std/p50/p90/p99, requests/s and tokens/
 import torch or the engine; it only speaks HTTP (aiohttp), so it can measure any server. (numpy
 loads inside functions: `loopserve --help` imports this module.)
 
+A server that cannot be benchmarked (nothing listening, no model listed, a failing warm-up
+request) ends the command with one line on stderr and exit code 1, not a traceback.
+
 Definitions: TTFT = first streamed token - request sent; ITL = gaps between chunks that carry
 tokens; TPOT = (E2E - TTFT) / (n - 1) for n >= 2 output tokens; E2E = last byte - request sent.
 Output token counts come from the server's usage (`stream_options.include_usage`).
@@ -21,12 +24,17 @@ import json
 import os
 import random
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+class ServerUnusable(RuntimeError):
+    """The server cannot be benchmarked: unreachable, it lists no model, or the warm-up failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     prompts = random_prompts(
         _vocabulary(args.tokenizer), config.num_prompts, config.input_len, config.seed
     )
-    summary = asyncio.run(benchmark(config, prompts))
+    try:
+        summary = asyncio.run(benchmark(config, prompts))
+    except ServerUnusable as error:
+        print(f"loopserve bench serve: error: {error}", file=sys.stderr)
+        return 1
     line = json.dumps(summary)
     print(line)
     if args.output is not None:
@@ -148,11 +160,17 @@ async def benchmark(config: BenchConfig, prompts: list[list[int]]) -> dict[str, 
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        model = config.model or await _first_model(session, config)
+        try:
+            model = config.model or await _first_model(session, config)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as error:
+            raise ServerUnusable(
+                f"cannot reach {config.base_url} ({type(error).__name__}: {error}); is a server "
+                "running there? (`loopserve serve`, or pass --base-url)"
+            ) from None
         for prompt in prompts[: config.warmup_requests]:
             warmup = await send_request(session, config, model, prompt)
             if not warmup.success:
-                raise RuntimeError(f"the warm-up request failed: {warmup.error}")
+                raise ServerUnusable(f"the warm-up request failed: {warmup.error}")
         start = time.perf_counter()
         results = await _send_all(session, config, model, prompts)
         duration = time.perf_counter() - start
@@ -296,10 +314,11 @@ def _config_record(config: BenchConfig, model: str) -> dict[str, Any]:
 async def _first_model(session: Any, config: BenchConfig) -> str:
     async with session.get(f"{config.base_url}/v1/models", headers=_headers(config)) as response:
         if response.status != 200:
-            raise RuntimeError(f"GET /v1/models: HTTP {response.status}: {await response.text()}")
+            text = (await response.text())[:200]
+            raise ServerUnusable(f"GET /v1/models: HTTP {response.status}: {text}")
         models = (await response.json())["data"]
     if not models:
-        raise RuntimeError("the server lists no models; pass --model")
+        raise ServerUnusable("the server lists no models; pass --model")
     return str(models[0]["id"])
 
 

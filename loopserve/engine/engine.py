@@ -87,6 +87,8 @@ class Engine:
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:  # never collide with an id a caller chose
+                request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None

@@ -37,9 +37,18 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device `name` names; a ValueError (saying which device) when it is not there."""
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            seen = (
+                "no CUDA GPU" if count == 0 else f"only {count} CUDA GPU(s) (cuda:0..{count - 1})"
+            )
+            raise ValueError(
+                f"device {name!r} was asked for but torch sees {seen}; choose another device "
+                "(device='cpu' in Python, --device cpu on the command line)"
+            )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

@@ -1,10 +1,14 @@
 """Helpers of the HTTP server tests: a tiny checkpoint with a real tokenizer and chat template,
-and servers running uvicorn on a free loopback port in a thread, reached through real HTTP."""
+servers running uvicorn on a free loopback port in a thread, and `loopserve serve` as a real
+subprocess, reached through real HTTP."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -101,13 +105,12 @@ def serve_in_thread(model: Path, **server_options: Any) -> Iterator[RunningServe
     from loopserve.engine.engine import Engine
     from loopserve.entrypoints.openai.app import build_app
     from loopserve.entrypoints.openai.config import ServerConfig
-    from loopserve.entrypoints.openai.server import uvicorn_config
+    from loopserve.entrypoints.openai.server import bind_socket, uvicorn_config
 
     config = ServerConfig(served_model_names=("tiny",), log_level="warning", **server_options)
     app = build_app(Engine(EngineConfig.from_options(model=str(model), **engine_options())), config)
     server = uvicorn.Server(uvicorn_config(app, config))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -121,3 +124,37 @@ def serve_in_thread(model: Path, **server_options: Any) -> Iterator[RunningServe
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+# Runs the `loopserve` command in a subprocess without an installed script.
+CLI = "import sys; from loopserve.entrypoints.cli import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_serve_process(
+    model: Path, port: int, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`loopserve serve --model MODEL --port PORT FLAGS...` (`env` added to this process's
+    environment), once /health answers 200."""
+    command = [
+        sys.executable, "-c", CLI, "serve", "--model", str(model), "--port", str(port),
+        "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *flags,
+    ]  # fmt: skip
+    environment = {**os.environ, **(env or {})}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"the server did not start: {process.communicate()[1].decode()[-2000:]}")

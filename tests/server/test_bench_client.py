@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .server_testing import API_KEY, RunningServer
+from .server_testing import API_KEY, RunningServer, free_port
 
 pytest.importorskip("aiohttp", reason="the serving benchmark client uses aiohttp")
 
@@ -70,3 +70,28 @@ def test_bench_serve_counts_failures(
     summary = json.loads(capsys.readouterr().out)
     assert summary["completed"] == 0 and summary["failed"] == 6
     assert summary["errors"] and "HTTP 400" in summary["errors"][0]
+
+
+def test_bench_serve_without_a_server_is_one_line(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loopserve.bench.serve_client import run
+
+    nobody = RunningServer(f"http://127.0.0.1:{free_port()}", API_KEY)
+    assert run(_args(nobody, tiny_model)) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("loopserve bench serve: error: cannot reach http://127.0.0.1:")
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+def test_bench_serve_with_a_failing_warm_up_is_one_line(
+    server: RunningServer, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loopserve.bench.serve_client import run
+
+    assert run(_args(server, tiny_model, "--extra-body", '{"max_loops": 99}')) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("loopserve bench serve: error: the warm-up request failed")
+    assert "max_loops" in captured.err and len(captured.err.strip().splitlines()) == 1

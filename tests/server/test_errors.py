@@ -20,9 +20,10 @@ CHAT = "/v1/chat/completions"
 
 def _post(server: RunningServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     headers = {**server.headers, **kwargs.pop("headers", {})}
-    if not isinstance(body, (dict, list)):
-        return httpx.post(server.url + path, content=body, headers=headers, timeout=30, **kwargs)
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kwargs)
+    if isinstance(body, (dict, list)):  # ASCII JSON: it can carry lone surrogates ("\ud800")
+        headers["Content-Type"] = "application/json"
+        body = json.dumps(body).encode()
+    return httpx.post(server.url + path, content=body, headers=headers, timeout=30, **kwargs)
 
 
 def _assert_error(
@@ -61,15 +62,25 @@ def server_stays_healthy(server: RunningServer) -> Iterator[None]:
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "logprobs": 50}, "logprobs"),
-        ({"prompt": [1, "two"]}, None),
+        ({"prompt": [1, "two"]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, None),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, None),
-        ({"prompt": "x", "top_p": 0.0}, None),
-        ({"prompt": "x", "stop": [""]}, None),
-        ({"prompt": "x", "max_loops": 9}, None),
-        ({"prompt": [1, 2, 10**6]}, None),
+        ({"prompt": "x", "top_p": 0.0}, "top_p"),
+        ({"prompt": "x", "exit_threshold": 0.0}, "exit_threshold"),
+        ({"prompt": "x", "min_loops": 0}, "min_loops"),
+        ({"prompt": "x", "min_loops": 9}, "min_loops"),
+        ({"prompt": "x", "temperature": True}, "temperature"),
+        ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "max_loops": 9}, "max_loops"),
+        ({"prompt": [1, 2, 10**6]}, "prompt"),
+        ({"prompt": [1, 2, 2**40], "echo": True}, "prompt"),
+        ({"prompt": "\ud800"}, "prompt"),
+        ({"prompt": "x", "model": "\ud800"}, "model"),
+        ({"prompt": "x", "stop": ["s"] * 100}, "stop"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "n": 200}, "n"),
     ],
 )
@@ -86,7 +97,15 @@ def test_bad_completion_requests_are_400(server: RunningServer, body: Any, param
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, None),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages.0.content"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30, "logprobs": True},
+            "top_logprobs",
+        ),
     ],
 )
 def test_bad_chat_requests_are_400(server: RunningServer, body: Any, param: str) -> None:
@@ -99,6 +118,20 @@ def test_unknown_model_is_404(server: RunningServer) -> None:
     assert "gpt-9" in error["message"]
     chat = {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
     _assert_error(_post(server, CHAT, chat), 404, param="model")
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b'{"prompt": "x", "seed": ' + b"1" * 5000 + b"}", "--max-json-number-digits"),
+        (b'{"prompt": "x", "x": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "--max-json-depth"),
+        (b'{"prompt": "x", "temperature": Infinity}', "finite"),
+        (b'{"prompt": "x", "top_p": NaN}', "finite"),
+    ],
+)
+def test_bodies_past_the_json_limits_are_400(server: RunningServer, raw: bytes, words: str) -> None:
+    error = _assert_error(_post(server, COMPLETIONS, raw), 400)
+    assert words in error["message"]
 
 
 def test_context_overflow_is_400(server: RunningServer) -> None:

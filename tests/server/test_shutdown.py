@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,38 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .server_testing import write_tiny_model
+from .server_testing import free_port, start_serve_process, write_tiny_model
 
 SHUTDOWN_TIMEOUT_S = 2
 LONG_MAX_TOKENS = 4000  # thousands of engine steps: cannot finish within the timeout
 
 
-_CLI = "import sys; from loopserve.entrypoints.cli import main; sys.exit(main())"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-c", _CLI,
-        "serve", "--model", str(model), "--port", str(port), "--served-model-name", "tiny",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "4096",
-        "--uvicorn-log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"the server did not start: {process.communicate()[1].decode()[-2000:]}")
+    flags = ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "4096"]
+    return start_serve_process(model, port, *flags)
 
 
 def _wait_for_running(port: int, count: int) -> None:
@@ -113,7 +88,7 @@ class _Unstreamed(threading.Thread):
 @pytest.mark.slow
 def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "model", max_model_len=LONG_MAX_TOKENS + 64)
-    port = _free_port()
+    port = free_port()
     process = _start_server(model, port)
     try:
         long, short = _Stream(port, LONG_MAX_TOKENS), _Stream(port, 24)
@@ -141,3 +116,17 @@ def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
     assert 0 < long.num_tokens < LONG_MAX_TOKENS
     assert waiting.status == 503 and waiting.error["type"] == "server_error"
     assert b"Traceback" not in stderr, stderr.decode()[-2000:]
+
+
+def test_ctrl_c_on_an_idle_server_is_one_line_and_exit_code_130(tmp_path: Path) -> None:
+    process = start_serve_process(write_tiny_model(tmp_path / "model"), free_port())
+    try:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = stderr.decode()
+    assert process.returncode == 130, text[-2000:]
+    assert "Traceback" not in text and "CancelledError" not in text, text[-2000:]
+    assert text.strip().splitlines() == ["loopserve serve: interrupted"]

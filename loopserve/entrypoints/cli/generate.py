@@ -1,4 +1,8 @@
-"""`loopserve generate`: generate completions for prompts from the command line."""
+"""`loopserve generate`: generate completions for prompts from the command line.
+
+Its sampling flags are generated from `SamplingParams` (same defaults, help and validation), its
+engine flags from `EngineConfig`.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,15 @@ import sys
 from pathlib import Path
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
-from loopserve.sampling_params import SamplingParams
+from loopserve.entrypoints.cli.sampling_args import add_sampling_arguments, sampling_params
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate text (the built-in tiny model when --model is not given)",
-        description="Generate completions. Flags mirror SamplingParams and EngineConfig.",
+        description="Generate completions. Flags mirror SamplingParams and EngineConfig, with "
+        "their defaults (SamplingParams(): 16 tokens, temperature 1; --temperature 0 is greedy).",
     )
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument(
@@ -25,46 +30,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_arguments(parser)
     add_engine_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling (SamplingParams)")
-    group.add_argument("--max-tokens", type=int, default=64)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    group.add_argument("--ignore-eos", action="store_true")
-    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--stop-token-ids", type=str, default="", help="comma-separated ids")
-    group.add_argument("--logprobs", type=int, default=None, help="return this many alternatives")
-    group.add_argument("--min-loops", type=int, default=1)
-    group.add_argument("--max-loops", type=int, default=None)
-    group.add_argument(
-        "--exit-threshold",
-        type=float,
-        default=None,
-        help="exit once the gate's CDF reaches this (1.0 = fixed depth; default: the model's)",
-    )
-
-
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        stop=tuple(args.stop),
-        stop_token_ids=tuple(_int_list(args.stop_token_ids)),
-        logprobs=args.logprobs,
-        min_loops=args.min_loops,
-        max_loops=args.max_loops,
-        exit_threshold=args.exit_threshold,
-    )
 
 
 def _int_list(text: str) -> list[int]:

@@ -1,4 +1,8 @@
-"""`loopserve serve`: the OpenAI-compatible HTTP server (needs the `serve` extra)."""
+"""`loopserve serve`: the OpenAI-compatible HTTP server (needs the `serve` extra).
+
+Binds `--host`/`--port` before loading the model, so a taken port is reported at once, naming the
+flag. Must not: restate the server's defaults (they come from `ServerConfig`).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,28 @@ import os
 from pathlib import Path
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
+from loopserve.entrypoints.openai.config import ServerConfig
 
 # The environment variable read when --api-key is not given (keeps the key out of `ps`).
 API_KEY_ENV = "LOOPSERVE_API_KEY"
 BUILTIN_MODEL_NAME = "ouro-tiny"
+# Request limits: flag -> (ServerConfig field, help). Each refusal names its flag.
+LIMIT_FLAGS: dict[str, tuple[str, str]] = {
+    "--max-concurrent-requests": ("max_concurrent_requests", "completions in flight; more get 429"),
+    "--max-request-bytes": ("max_request_bytes", "larger bodies get 413"),
+    "--max-json-depth": ("max_json_depth", "JSON nesting depth of a body"),
+    "--max-json-number-digits": ("max_json_number_digits", "characters of one JSON number"),
+    "--max-json-objects": ("max_json_objects", "JSON objects ({...}) in one body"),
+    "--max-choices-per-request": ("max_choices_per_request", "n x prompts"),
+    "--max-stop-strings": ("max_stop_strings", "stop strings per request"),
+    "--max-stop-bytes": ("max_stop_bytes", "UTF-8 bytes of a request's stop strings together"),
+    "--max-logprobs": ("max_logprobs", "log-prob alternatives per token (logprobs, top_logprobs)"),
+    "--max-prompt-bytes": (
+        "max_prompt_bytes",
+        "UTF-8 bytes of one text prompt, checked before tokenizing (default: the context length "
+        "times the longest token's bytes: the most that can fit)",
+    ),
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,9 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics. Needs `pip install loopserve[serve]`.",
     )
+    defaults = ServerConfig()
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--host", default=defaults.host, help="address to bind (default loopback)")
+    group.add_argument("--port", type=int, default=defaults.port, help="(default: %(default)s)")
     group.add_argument(
         "--served-model-name",
         nargs="+",
@@ -34,46 +57,59 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on all but /health (default: ${API_KEY_ENV})",
     )
-    group.add_argument("--max-concurrent-requests", type=int, default=256, help="more get 429")
     group.add_argument(
-        "--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies get 413"
-    )
-    group.add_argument("--max-choices-per-request", type=int, default=128, help="n x prompts")
-    group.add_argument(
-        "--shutdown-timeout", type=int, default=30, help="seconds to drain requests on SIGTERM"
+        "--shutdown-timeout",
+        type=int,
+        default=defaults.shutdown_timeout_s,
+        help="seconds to drain requests on SIGTERM (default: %(default)s)",
     )
     group.add_argument(
         "--chat-template", default=None, help="a Jinja chat template file, overriding the model's"
     )
-    group.add_argument("--uvicorn-log-level", default="info")
+    group.add_argument("--uvicorn-log-level", default=defaults.log_level)
+    limits = parser.add_argument_group("request limits (a request over one gets a 4xx naming it)")
+    for flag, (name, help_text) in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        shown = "" if default is None else " (default: %(default)s)"
+        limits.add_argument(flag, dest=name, type=int, default=default, help=help_text + shown)
     add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from loopserve.entrypoints.openai.config import ServerConfig
-        from loopserve.entrypoints.openai.server import run_server
+        from loopserve.entrypoints.openai.server import bind_socket, run_server
     except ImportError as error:
         raise ValueError(
             f"serving needs the `serve` extra ({error}); run: pip install 'loopserve[serve]'"
         ) from None
     from loopserve.config import EngineConfig
 
+    config = _server_config(args)
+    engine_config = EngineConfig.from_options(model=args.model, **engine_options(args))
+    try:
+        sock = bind_socket(config.host, config.port)
+    except OSError as error:
+        raise ValueError(
+            f"--port {config.port}: cannot listen on {config.host}:{config.port} "
+            f"({error.strerror or error}); choose another --port (or --host)"
+        ) from None
+    run_server(engine_config, config, sock)
+    return 0
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
     names = args.served_model_name or [args.model or BUILTIN_MODEL_NAME]
     chat_template = None
     if args.chat_template is not None:
         chat_template = Path(args.chat_template).read_text()
-    config = ServerConfig(
+    limits = {name: getattr(args, name) for name, _ in LIMIT_FLAGS.values()}
+    return ServerConfig(
         host=args.host,
         port=args.port,
         served_model_names=tuple(names),
         api_key=args.api_key,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_request_bytes=args.max_request_bytes,
-        max_choices_per_request=args.max_choices_per_request,
         shutdown_timeout_s=args.shutdown_timeout,
         chat_template=chat_template,
         log_level=args.uvicorn_log_level,
+        **limits,
     )
-    run_server(EngineConfig.from_options(model=args.model, **engine_options(args)), config)
-    return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -19,12 +20,13 @@ from fastapi.responses import JSONResponse, Response
 
 from loopserve.engine.engine import Engine
 from loopserve.entrypoints.openai.auth import ApiKeyMiddleware
+from loopserve.entrypoints.openai.body import BodyLimits
 from loopserve.entrypoints.openai.chat_template import load_chat_template
 from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.entrypoints.openai.context import ModelInfo, ServingContext
 from loopserve.entrypoints.openai.engine_thread import EngineThread
 from loopserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
-from loopserve.entrypoints.openai.limits import ConcurrencyLimitMiddleware
+from loopserve.entrypoints.openai.limits import ConcurrencyLimitMiddleware, RequestLimits
 from loopserve.entrypoints.openai.logprobs import LogprobFormatter
 from loopserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopserve.entrypoints.openai.responses import ModelCard, ModelList, to_json
@@ -33,6 +35,9 @@ from loopserve.entrypoints.openai.serving_completions import create_completion
 from loopserve.entrypoints.openai.shutdown import abort_after_drain
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Threads for the CPU work of requests (parsing, templates, tokenizing). Few: that work holds the
+# interpreter lock most of the time, and each thread more takes a share of it from the event loop.
+REQUEST_WORKER_THREADS = 2
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -51,6 +56,13 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         chat_template=load_chat_template(config.chat_template, model.tokenizer),
         logprobs=LogprobFormatter(model.tokenizer),
         started=int(time.time()),
+        limits=RequestLimits.resolve(
+            config, model.tokenizer, model.max_model_len, model.max_stop_token_ids
+        ),
+        body_limits=BodyLimits(
+            config.max_json_depth, config.max_json_number_digits, config.max_json_objects
+        ),
+        workers=ThreadPoolExecutor(REQUEST_WORKER_THREADS, thread_name_prefix="loopserve-request"),
     )
 
     @asynccontextmanager
@@ -62,6 +74,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             yield
         finally:
             restore_signals()
+            context.workers.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(context.engine.stop)
 
     app = FastAPI(

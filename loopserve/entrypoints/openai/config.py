@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loopserve.sampling_params import MAX_LOGPROBS
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -22,8 +24,23 @@ class ServerConfig:
     max_concurrent_requests: int = 256
     # Largest request body accepted; larger bodies get 413.
     max_request_bytes: int = 8 * 2**20
+    # JSON bodies: nesting depth, characters of one number, and objects (`{...}`) in all (the
+    # objects bound the work of validating a body).
+    max_json_depth: int = 32
+    max_json_number_digits: int = 64
+    max_json_objects: int = 10_000
     # Choices one request may ask for (`n` times the number of prompts).
     max_choices_per_request: int = 128
+    # Stop strings of one request: how many, and their UTF-8 bytes in all (every generated token
+    # of every choice is checked against them).
+    max_stop_strings: int = 32
+    max_stop_bytes: int = 4096
+    # Log-probability alternatives per token (`logprobs`, `top_logprobs`).
+    max_logprobs: int = MAX_LOGPROBS
+    # UTF-8 bytes of one text prompt (chat: of the messages' text, and of the rendered prompt),
+    # checked before tokenizing. None: the longest text that can fit the context (the context
+    # length times the longest token's bytes), so no prompt that fits is refused.
+    max_prompt_bytes: int | None = None
     # On SIGTERM: seconds to let in-flight requests finish before aborting them.
     shutdown_timeout_s: int = 30
     # Jinja chat template overriding the checkpoint's (the template text itself).
@@ -38,15 +55,31 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
-        if self.max_concurrent_requests < 1:
-            raise ValueError("max_concurrent_requests must be at least 1")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
-        if self.max_choices_per_request < 1:
-            raise ValueError("max_choices_per_request must be at least 1")
+        for name in _AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            limit = MAX_LOGPROBS
+            raise ValueError(f"max_logprobs must be in [0, {limit}], got {self.max_logprobs}")
+        if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes must be at least 1, got {self.max_prompt_bytes}")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
 
     @property
     def default_model_name(self) -> str:
         return self.served_model_names[0]
+
+
+# Settings that must be at least 1.
+_AT_LEAST_ONE = (
+    "max_concurrent_requests",
+    "max_json_depth",
+    "max_json_number_digits",
+    "max_json_objects",
+    "max_choices_per_request",
+    "max_stop_strings",
+    "max_stop_bytes",
+)

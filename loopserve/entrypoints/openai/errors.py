@@ -49,7 +49,15 @@ class OpenAIError(Exception):
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    param = None if param is None else _encodable(param)
+    return {
+        "error": {"message": _encodable(message), "type": error_type, "param": param, "code": code}
+    }
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate (from a client's JSON) escaped, so UTF-8 can encode it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:

@@ -17,6 +17,7 @@ from loopserve.entrypoints.openai.engine_thread import (
     OutputQueue,
 )
 from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
+from loopserve.entrypoints.openai.protocol import field_named_in
 from loopserve.outputs import RequestOutput
 
 
@@ -33,7 +34,7 @@ class Generation:
             await self._engine.add(self._requests, self._queue)
         except ValueError as error:
             self._unfinished.clear()  # the engine queued none of them
-            raise bad_request(str(error)) from None
+            raise bad_request(str(error), field_named_in(str(error))) from None
         except EngineDeadError as error:
             self._unfinished.clear()
             raise _unavailable(error) from None

@@ -1,21 +1,26 @@
-"""Hard limits on what one client can ask of the server.
+"""Hard limits on what one client can ask of the server, enforced before any work.
 
 Owns: `ConcurrencyLimitMiddleware` (pure ASGI: at most N generation requests in flight, counted
 until their response, streamed or not, has ended; more get 429 with `Retry-After`) and
-`read_json_body` (the body within its size limit, 413 beyond, 400 when it is not JSON). Must not:
-validate fields (protocol models do) or block the event loop.
+`RequestLimits`, the per-request caps resolved when the app is built (choices, stop strings and
+stop token ids, log-probs, prompt bytes before tokenizing), with the checks that enforce them:
+each refusal is a 400 naming the field and the flag that sets the limit. Must not: validate
+field types or ranges (protocol models and `SamplingParams` do) or block the event loop.
+
+Why these caps: every generated token of every choice is checked against every stop string, and
+tokenizing holds the interpreter lock, so without them one request could stall all others.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
+from loopserve.tokenizer import Tokenizer
 
 # Seconds a client told 429 should wait before it retries.
 RETRY_AFTER_S = 1
@@ -49,28 +54,89 @@ class ConcurrencyLimitMiddleware:
             self.in_flight -= 1
 
 
-async def read_json_body(request: Request, limit: int) -> Any:
-    """The parsed JSON body; 413 past `limit` bytes (checked before and while reading)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise _too_large(limit)
-    except ClientDisconnect:
-        raise bad_request("the client disconnected while sending the body") from None
-    if not body:
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"the request body is not valid JSON: {error}") from None
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_choices: int  # n times the number of prompts
+    max_stop_strings: int
+    max_stop_bytes: int  # UTF-8 bytes of all stop strings together
+    max_stop_token_ids: int  # stop token ids plus the model's end-of-sequence ids
+    max_logprobs: int
+    max_prompt_bytes: int  # UTF-8 bytes of one text prompt
+
+    @classmethod
+    def resolve(
+        cls,
+        config: ServerConfig,
+        tokenizer: Tokenizer | None,
+        max_model_len: int,
+        max_stop_token_ids: int,
+    ) -> RequestLimits:
+        """The limits of `config`, with the prompt-bytes default worked out for the model."""
+        max_prompt_bytes = config.max_prompt_bytes
+        if max_prompt_bytes is None:
+            max_prompt_bytes = max_model_len * longest_token_bytes(tokenizer)
+        return cls(
+            max_choices=config.max_choices_per_request,
+            max_stop_strings=config.max_stop_strings,
+            max_stop_bytes=config.max_stop_bytes,
+            max_stop_token_ids=max_stop_token_ids,
+            max_logprobs=config.max_logprobs,
+            max_prompt_bytes=max_prompt_bytes,
+        )
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_choices:
+            raise bad_request(
+                f"n: {num_prompts} prompt(s) times n={n} is more than the {self.max_choices} "
+                "choices one request may ask for (--max-choices-per-request)",
+                "n",
+            )
+
+    def check_stop(self, stop: Sequence[str], stop_token_ids: set[int]) -> None:
+        """`stop_token_ids` together with the model's end-of-sequence ids the request keeps."""
+        if len(stop) > self.max_stop_strings:
+            message = f"at most {self.max_stop_strings} stop strings, got {len(stop)}"
+            raise bad_request(f"stop: {message} (--max-stop-strings)", "stop")
+        num_bytes = sum(len(text.encode()) for text in stop)
+        if num_bytes > self.max_stop_bytes:
+            message = (
+                f"the stop strings have {num_bytes} UTF-8 bytes, more than {self.max_stop_bytes}"
+            )
+            raise bad_request(f"stop: {message} (--max-stop-bytes)", "stop")
+        if len(stop_token_ids) > self.max_stop_token_ids:
+            raise bad_request(
+                f"stop_token_ids: at most {self.max_stop_token_ids} stop token ids, counting the "
+                f"model's end-of-sequence ids (unless ignore_eos), got {len(stop_token_ids)}",
+                "stop_token_ids",
+            )
+
+    def check_logprobs(self, logprobs: int | None, param: str) -> None:
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise bad_request(
+                f"{param}: at most {self.max_logprobs} log-probability alternatives, got "
+                f"{logprobs} (--max-logprobs)",
+                param,
+            )
+
+    def check_prompt_bytes(self, text: str, param: str) -> None:
+        """Before tokenizing: a text longer than this cannot fit (or is refused by the server)."""
+        if len(text) > self.max_prompt_bytes or len(text.encode()) > self.max_prompt_bytes:
+            raise bad_request(
+                f"{param}: the prompt text has more than {self.max_prompt_bytes} UTF-8 bytes, the "
+                "most this server tokenizes (--max-prompt-bytes)",
+                param,
+            )
 
 
-def _too_large(limit: int) -> OpenAIError:
-    return OpenAIError(
-        413, f"the request body is larger than {limit} bytes", code="request_too_large"
+def longest_token_bytes(tokenizer: Tokenizer | None) -> int:
+    """UTF-8 bytes of the model's longest token (1 without a tokenizer: text is refused then).
+
+    A text of more than max_model_len times this many bytes has more tokens than fit the context.
+    """
+    if tokenizer is None:
+        return 1
+    decoded = (
+        tokenizer.decode([index], skip_special_tokens=False)
+        for index in range(tokenizer.vocab_size)
     )
+    return max((len(text.encode()) for text in decoded), default=1)

@@ -1,9 +1,10 @@
 """From a validated request to engine requests: prompts, output budgets and sampling params.
 
-Owns: tokenizing prompts (run off the event loop), the context-length check and the default
-`max_tokens` (what is left of the context, as in vLLM), `n` fan-out with per-choice seeds
-(`seed + choice`, as in vLLM), and the `SamplingParams` of each choice. Must not: talk to the
-engine or format responses.
+Owns: tokenizing prompts (run off the event loop; a text's size is checked first, token ids are
+checked against the vocabulary and the context before anything decodes them), the context-length
+check and the default `max_tokens` (what is left of the context, as in vLLM), `n` fan-out with
+per-choice seeds (`seed + choice`, as in vLLM), and the `SamplingParams` of each choice. Must not:
+talk to the engine or format responses.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loopserve.entrypoints.openai.context import ModelInfo
 from loopserve.entrypoints.openai.engine_thread import EngineRequest
-from loopserve.entrypoints.openai.errors import bad_request
-from loopserve.entrypoints.openai.protocol import GenerationFields
+from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
+from loopserve.entrypoints.openai.limits import RequestLimits
+from loopserve.entrypoints.openai.protocol import GenerationFields, PromptInput, field_named_in
 from loopserve.sampling_params import SamplingParams
-from loopserve.tokenizer import Tokenizer
-
-PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,34 +45,50 @@ class ChoiceOptions:
     prompt_param: str  # the request field that holds the prompt, for error messages
 
 
+def prompt_batch(prompt: PromptInput) -> list[str | list[int]]:
+    """The prompts of a completion request: one text or token-id list per item of the batch."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)  # type: ignore[arg-type]
+
+
 def tokenize_prompts(
-    prompt: PromptInput, tokenizer: Tokenizer | None, keep_text: bool
+    batch: Sequence[str | list[int]], model: ModelInfo, limits: RequestLimits, keep_text: bool
 ) -> list[Prompt]:
     """The prompts of a completion request (run in a worker thread: tokenizing can be slow)."""
-    if isinstance(prompt, str):
-        batch: list[str | list[int]] = [prompt]
-    elif prompt and all(isinstance(token, int) for token in prompt):
-        batch = [prompt]  # type: ignore[list-item]
-    else:
-        batch = list(prompt)  # type: ignore[arg-type]
     if not batch:
         raise bad_request("prompt must not be empty", "prompt")
-    return [_prompt(item, tokenizer, keep_text, add_special_tokens=True) for item in batch]
+    return [_prompt(item, model, limits, keep_text, special_tokens=True) for item in batch]
 
 
-def tokenize_chat_prompt(text: str, tokenizer: Tokenizer | None) -> Prompt:
+def tokenize_chat_prompt(text: str, model: ModelInfo, limits: RequestLimits) -> Prompt:
     """A rendered chat prompt; the template already placed any special tokens."""
-    return _prompt(text, tokenizer, keep_text=False, add_special_tokens=False)
+    return _prompt(text, model, limits, keep_text=False, special_tokens=False, param="messages")
 
 
 def _prompt(
-    item: str | list[int], tokenizer: Tokenizer | None, keep_text: bool, add_special_tokens: bool
+    item: str | list[int],
+    model: ModelInfo,
+    limits: RequestLimits,
+    keep_text: bool,
+    special_tokens: bool,
+    param: str = "prompt",
 ) -> Prompt:
+    tokenizer = model.tokenizer
     if isinstance(item, str):
         if tokenizer is None:
-            raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
-        token_ids = tokenizer.encode(item, add_special_tokens=add_special_tokens)
+            raise bad_request("this model has no tokenizer: give the prompt as token ids", param)
+        limits.check_prompt_bytes(item, param)
+        token_ids = tokenizer.encode(item, add_special_tokens=special_tokens)
         return Prompt(token_ids, item if keep_text else None)
+    if item and not 0 <= min(item) <= max(item) < model.vocab_size:
+        bad = next(token for token in item if not 0 <= token < model.vocab_size)
+        message = f"prompt: token id {bad} is outside the vocabulary [0, {model.vocab_size})"
+        raise bad_request(message, param)
+    if len(item) >= model.max_model_len:
+        raise _no_room(len(item), model.max_model_len, param)
     text = None
     if keep_text and tokenizer is not None:
         text = tokenizer.decode(item, skip_special_tokens=False)
@@ -85,15 +101,9 @@ def plan_choices(
     request: GenerationFields,
     options: ChoiceOptions,
     max_model_len: int,
-    max_choices: int,
 ) -> list[ChoicePlan]:
-    """One engine request per (prompt, choice); choice `index` = prompt_index * n + choice."""
-    if len(prompts) * request.n > max_choices:
-        raise bad_request(
-            f"{len(prompts)} prompts times n={request.n} is more than the {max_choices} choices "
-            "one request may ask for",
-            "n",
-        )
+    """One engine request per (prompt, choice); choice `index` = prompt_index * n + choice
+    (the number of choices was checked against the server's limit before tokenizing)."""
     plans = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = output_budget(len(prompt.token_ids), options, max_model_len)
@@ -106,17 +116,20 @@ def plan_choices(
     return plans
 
 
+def stop_ids(request: GenerationFields, model: ModelInfo) -> set[int]:
+    """The token ids a choice stops on: its `stop_token_ids` and, unless it ignores EOS, the
+    model's end-of-sequence ids (the engine caps how many one request may have)."""
+    ids = set(request.stop_token_ids)
+    return ids if request.ignore_eos else ids | model.eos_token_ids
+
+
 def output_budget(num_prompt_tokens: int, options: ChoiceOptions, max_model_len: int) -> int:
     """max_tokens for one prompt; a 400 OpenAIError when it does not fit the context."""
     if num_prompt_tokens == 0:
         raise bad_request("the prompt is empty", options.prompt_param)
     if options.max_tokens is None:
         if num_prompt_tokens >= max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens, and the prompt "
-                f"has {num_prompt_tokens} tokens: no room is left for the completion.",
-                options.prompt_param,
-            )
+            raise _no_room(num_prompt_tokens, max_model_len, options.prompt_param)
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + options.max_tokens > max_model_len:
         raise bad_request(
@@ -150,5 +163,13 @@ def sampling_params(
             max_loops=request.max_loops,
             exit_threshold=request.exit_threshold,
         )
-    except ValueError as error:
-        raise bad_request(str(error)) from None
+    except (TypeError, ValueError) as error:
+        raise bad_request(str(error), field_named_in(str(error))) from None
+
+
+def _no_room(num_prompt_tokens: int, max_model_len: int, param: str) -> OpenAIError:
+    return bad_request(
+        f"{param}: This model's maximum context length is {max_model_len} tokens, and the prompt "
+        f"has {num_prompt_tokens} tokens: no room is left for the completion.",
+        param,
+    )

@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI API, as pydantic models (what clients may send).
 
 Owns: the fields of `/v1/completions` and `/v1/chat/completions`, their types and ranges, the
-vLLM and Ouro extensions, and rejecting OpenAI fields this server does not implement. Must not:
-know about the engine (serving code turns these into `SamplingParams`).
+vLLM and Ouro extensions, rejecting OpenAI fields this server does not implement, and the 400 that
+names the first bad field. Types are strict: a bool is not a number, an integer field takes JSON
+integers only, a string field strings only. Validation stops at the first bad item of a list, and
+prompts are checked without trying each form item by item, so a long bad list costs no more than a
+good one. Must not: know about the engine (serving code turns these into `SamplingParams`).
 
 Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `return_token_ids` (as in vLLM), and the loop depth of each generated
@@ -11,9 +14,17 @@ token: `min_loops`, `max_loops`, `exit_threshold`. Unknown fields are ignored, a
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
 
@@ -28,10 +39,14 @@ _UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 
 _Request = TypeVar("_Request", bound="GenerationFields")
+PromptInput = str | list[str] | list[int] | list[list[int]]
+_PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+# Pydantic's names for the members of a union in an error's location (`prompt.list[int].0`).
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -48,12 +63,12 @@ class GenerationFields(_Model):
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(fail_fast=True)] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions.
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, fail_fast=True)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
@@ -61,10 +76,10 @@ class GenerationFields(_Model):
     min_loops: int = 1
     max_loops: int | None = None
     exit_threshold: float | None = None
-    # Rejected unless neutral (see _UNSUPPORTED_UNLESS_NEUTRAL).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # Rejected unless neutral (see _UNSUPPORTED_UNLESS_NEUTRAL), whatever their type.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -93,12 +108,26 @@ class GenerationFields(_Model):
 
 class CompletionRequest(GenerationFields):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptInput
     echo: bool = False
-    # Log-probabilities of the sampled token and this many alternatives.
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Log-probabilities of the sampled token and this many alternatives (at most --max-logprobs).
+    logprobs: int | None = Field(default=None, ge=0)
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt_form(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> PromptInput:
+        """At C speed, instead of pydantic trying each form of the union item by item."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            kinds = set(map(type, value))
+            if kinds == {str} or kinds == {int}:
+                return value
+            if kinds == {list} and all(set(map(type, item)) <= {int} for item in value):
+                return value
+        raise ValueError(f"the prompt must be {_PROMPT_FORMS} (and not empty)")
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
@@ -116,7 +145,7 @@ class TextPart(_Model):
 
 class ChatMessage(_Model):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -129,12 +158,13 @@ class ChatMessage(_Model):
 
 
 class ChatCompletionRequest(GenerationFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Alternatives per token (at most --max-logprobs).
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: Any = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -169,10 +199,33 @@ def parse_request(model: type[_Request], body: Any) -> _Request:
     return request
 
 
+def field_named_in(message: str) -> str | None:
+    """The request field an error message starts with (`top_p must be ...`, `stop[1] must ...`),
+    as `SamplingParams` and engine errors do; None when it starts with something else."""
+    first = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
+    return first if first in _FIELDS else None
+
+
 def _validation_error(error: ValidationError) -> OpenAIError:
-    first = error.errors()[0]
-    location = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    problems = f" (and {error.error_count() - 1} more problems)" if error.error_count() > 1 else ""
-    where = f"{location}: " if location else ""
-    return bad_request(f"{where}{message}{problems}", param=location or None)
+    errors = error.errors()
+    first = errors[0]["loc"]
+    # Up to the first union member's name: the field itself (`prompt`, not `prompt.list[int].0`).
+    cut = next((index for index, part in enumerate(first) if _is_type_tag(part)), len(first))
+    param = ".".join(str(part) for part in first[:cut]) or None
+    message = errors[0]["msg"].removeprefix("Value error, ")
+    if cut < len(first):
+        same_field = [item["loc"] for item in errors if item["loc"][:cut] == first[:cut]]
+        tried = sorted({str(loc[cut]) for loc in same_field if len(loc) > cut})
+        message = f"matches none of the accepted forms ({', '.join(tried)}): {message}"
+    elif len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    where = f"{param}: " if param else ""
+    return bad_request(f"{where}{message}", param=param)
+
+
+def _is_type_tag(part: str | int) -> bool:
+    """Whether a location part names a union member rather than a field (`list[int]`, `str`)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper())
+
+
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)

@@ -1,6 +1,7 @@
 """Running the app under uvicorn, with graceful shutdown.
 
-Owns: building the engine and the app, and the uvicorn settings. On SIGTERM or Ctrl-C uvicorn
+Owns: binding the address (before the model loads, so a taken port fails at once), building the
+engine and the app, and the uvicorn settings. On SIGTERM or Ctrl-C uvicorn
 stops accepting connections and waits for open ones; the app lets in-flight requests finish for
 `shutdown_timeout_s`, then aborts the rest (their clients get `finish_reason: "abort"`); uvicorn
 cancels whatever is still open a few seconds later; the app's lifespan then stops the engine
@@ -9,6 +10,7 @@ thread. Must not: parse command lines (the CLI does).
 
 from __future__ import annotations
 
+import socket
 from typing import TYPE_CHECKING
 
 from loopserve.config import EngineConfig
@@ -38,9 +40,25 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
     )
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
-    """Load the model, then serve until SIGTERM or Ctrl-C."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not listening yet: uvicorn listens once the app is ready,
+    so clients are refused until then. Raises OSError when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    # without it every response waits for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> None:
+    """Load the model, then serve on `sock` (from `bind_socket`) until SIGTERM or Ctrl-C."""
     import uvicorn
 
     app = build_app(Engine(engine_config), config)
-    uvicorn.Server(uvicorn_config(app, config)).run()
+    uvicorn.Server(uvicorn_config(app, config)).run(sockets=[sock])

@@ -1,32 +1,34 @@
 """`POST /v1/chat/completions`: messages -> the assistant's reply, streamed or not.
 
-Owns: rendering the messages with the chat template and tokenizing them off the event loop,
-and writing the chat response and its chunks (a first `role` delta per choice, content deltas,
-chat log-probs, `exit_depths`, usage). Must not: touch the engine except through
-`serving.respond`.
+Owns: turning the body into choice plans on a worker thread (JSON, fields, limits, the messages'
+size, rendering them with the chat template, the rendered prompt's size, then tokenizing: cheap
+checks before costly work), and writing the chat response and its chunks (a first `role` delta
+per choice, content deltas, chat log-probs, `exit_depths`, usage). Must not: touch the engine
+except through `serving.respond`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from loopserve.entrypoints.openai.body import parse_json_body, read_body
 from loopserve.entrypoints.openai.choice_state import ChoiceDelta
 from loopserve.entrypoints.openai.context import ServingContext
 from loopserve.entrypoints.openai.errors import bad_request
 from loopserve.entrypoints.openai.generation import Generation
-from loopserve.entrypoints.openai.limits import read_json_body
 from loopserve.entrypoints.openai.prompts import (
     ChoiceOptions,
     ChoicePlan,
     Prompt,
     plan_choices,
+    stop_ids,
     tokenize_chat_prompt,
 )
 from loopserve.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
@@ -51,27 +53,37 @@ from loopserve.outputs import RequestOutput, TokenLogprobs
 
 
 async def create_chat_completion(request: Request, context: ServingContext) -> Response:
-    body = await read_json_body(request, context.config.max_request_bytes)
-    chat = parse_request(ChatCompletionRequest, body)
+    body = await read_body(request, context.config.max_request_bytes)
+    prepared = await context.off_loop(_prepare, body, context)
+    writer = _ChatWriter(prepared.identity, prepared.plans, prepared.chat, context)
+    return await respond(request, context.engine, prepared.plans, prepared.chat.stream, writer)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    identity: ResponseIdentity
+    chat: ChatCompletionRequest
+    plans: list[ChoicePlan]
+
+
+def _prepare(body: bytes, context: ServingContext) -> _Prepared:
+    """Body -> choice plans (on a worker thread); a 4xx OpenAIError for anything bad."""
+    chat = parse_request(ChatCompletionRequest, parse_json_body(body, context.body_limits))
     identity = ResponseIdentity(
         f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), context.served_name(chat.model)
     )
-    prompt = await asyncio.to_thread(_chat_prompt, chat, context)
+    limits = context.limits
+    limits.check_choices(1, chat.n)
+    limits.check_stop(chat.stop_strings, stop_ids(chat, context.model))
+    limits.check_logprobs(chat.num_logprobs, "top_logprobs")
+    prompt = _chat_prompt(chat, context)
     options = ChoiceOptions(chat.output_limit, chat.num_logprobs, "messages")
-    plans = plan_choices(
-        identity.id,
-        [prompt],
-        chat,
-        options,
-        context.model.max_model_len,
-        context.config.max_choices_per_request,
-    )
-    writer = _ChatWriter(identity, plans, chat, context)
-    return await respond(request, context.engine, plans, chat.stream, writer)
+    plans = plan_choices(identity.id, [prompt], chat, options, context.model.max_model_len)
+    return _Prepared(identity, chat, plans)
 
 
 def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> Prompt:
-    """Render and tokenize (run in a worker thread)."""
+    """Render and tokenize, each after checking the size of its input."""
     if context.chat_template is None:
         raise bad_request(
             "this model has no chat template (no chat_template in its tokenizer_config.json); "
@@ -79,8 +91,9 @@ def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> Prompt
             "messages",
         )
     messages = [_message_dict(item.role, item.text(), item.name) for item in chat.messages]
+    context.limits.check_prompt_bytes("".join(item["content"] for item in messages), "messages")
     text = context.chat_template.render(messages, chat.add_generation_prompt)
-    return tokenize_chat_prompt(text, context.model.tokenizer)
+    return tokenize_chat_prompt(text, context.model, context.limits)
 
 
 def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:

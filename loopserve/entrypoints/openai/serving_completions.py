@@ -1,29 +1,32 @@
 """`POST /v1/completions`: prompts (text, texts, token ids) -> completions, streamed or not.
 
-Owns: turning a `CompletionRequest` into choice plans and writing the completions response and
-its chunks (echo, log-probs with text offsets, `exit_depths`, usage). Must not: touch the engine
-except through `serving.respond`.
+Owns: turning the body into choice plans on a worker thread (JSON, fields, limits, then
+tokenizing: cheap checks before costly work) and writing the completions response and its chunks
+(echo, log-probs with text offsets, `exit_depths`, usage). Must not: touch the engine except
+through `serving.respond`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from loopserve.entrypoints.openai.body import parse_json_body, read_body
 from loopserve.entrypoints.openai.choice_state import ChoiceDelta
 from loopserve.entrypoints.openai.context import ServingContext
 from loopserve.entrypoints.openai.generation import Generation
-from loopserve.entrypoints.openai.limits import read_json_body
 from loopserve.entrypoints.openai.prompts import (
     ChoiceOptions,
     ChoicePlan,
     plan_choices,
+    prompt_batch,
+    stop_ids,
     tokenize_prompts,
 )
 from loopserve.entrypoints.openai.protocol import CompletionRequest, parse_request
@@ -43,25 +46,36 @@ from loopserve.outputs import RequestOutput
 
 
 async def create_completion(request: Request, context: ServingContext) -> Response:
-    body = await read_json_body(request, context.config.max_request_bytes)
-    completion = parse_request(CompletionRequest, body)
+    body = await read_body(request, context.config.max_request_bytes)
+    prepared = await context.off_loop(_prepare, body, context)
+    writer = _CompletionWriter(prepared.identity, prepared.plans, prepared.completion, context)
+    return await respond(
+        request, context.engine, prepared.plans, prepared.completion.stream, writer
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    identity: ResponseIdentity
+    completion: CompletionRequest
+    plans: list[ChoicePlan]
+
+
+def _prepare(body: bytes, context: ServingContext) -> _Prepared:
+    """Body -> choice plans (on a worker thread); a 4xx OpenAIError for anything bad."""
+    completion = parse_request(CompletionRequest, parse_json_body(body, context.body_limits))
     identity = ResponseIdentity(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), context.served_name(completion.model)
     )
-    prompts = await asyncio.to_thread(
-        tokenize_prompts, completion.prompt, context.model.tokenizer, completion.echo
-    )
+    batch = prompt_batch(completion.prompt)
+    limits = context.limits
+    limits.check_choices(len(batch), completion.n)
+    limits.check_stop(completion.stop_strings, stop_ids(completion, context.model))
+    limits.check_logprobs(completion.logprobs, "logprobs")
+    prompts = tokenize_prompts(batch, context.model, limits, keep_text=completion.echo)
     options = ChoiceOptions(completion.max_tokens, completion.logprobs, "prompt")
-    plans = plan_choices(
-        identity.id,
-        prompts,
-        completion,
-        options,
-        context.model.max_model_len,
-        context.config.max_choices_per_request,
-    )
-    writer = _CompletionWriter(identity, plans, completion, context)
-    return await respond(request, context.engine, plans, completion.stream, writer)
+    plans = plan_choices(identity.id, prompts, completion, options, context.model.max_model_len)
+    return _Prepared(identity, completion, plans)
 
 
 class _CompletionWriter:
