@@ -1,7 +1,8 @@
 """Writing a trained tiny model as an HF-layout Ouro checkpoint directory.
 
 Owns: the files of a trained checkpoint: config.json, generation_config.json, model.safetensors
-(through `write_checkpoint`), tokenizer.json and training_info.json (how it was trained). Must
+(through `write_checkpoint`), tokenizer.json and chat_template.jinja (`save_tokenizer`) and
+training_info.json (how it was trained). Must
 not: overwrite a non-empty directory unless asked to, or write anything the loader cannot read.
 """
 
@@ -25,6 +26,7 @@ CHECKPOINT_FILES = (
     "generation_config.json",
     "model.safetensors",
     "tokenizer.json",
+    "chat_template.jinja",
     "training_info.json",
 )
 

@@ -22,25 +22,29 @@ from loopserve.entrypoints.openai.engine_thread import (
 from loopserve.entrypoints.openai.errors import OpenAIError
 from loopserve.entrypoints.openai.metrics import Histogram, ServerMetrics
 from loopserve.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
-from loopserve.outputs import RequestMetrics, RequestOutput
+from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loopserve.sampling_params import SamplingParams
 
 
 def _output(
     request_id: str, tokens: int, text: str, finished: bool = False, reason: str = "length"
 ) -> RequestOutput:
+    completion = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=list(range(tokens)),
+        exit_depths=[4] * tokens,
+        logprobs=None,
+        finish_reason=reason if finished else None,
+        new_token_ids=[tokens - 1] if tokens else [],
+        new_text="",
+    )
     return RequestOutput(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=[1],
-        token_ids=list(range(tokens)),
-        text=text,
-        exit_depths=[4] * tokens,
-        logprobs=None,
+        outputs=[completion],
         finished=finished,
-        finish_reason=reason if finished else None,
-        new_token_ids=[tokens - 1] if tokens else [],
-        new_text="",
         metrics=RequestMetrics(arrival_time=0.0, first_token_time=0.5, finished_time=1.0),
     )
 
@@ -113,7 +117,7 @@ def test_engine_thread_streams_outputs_and_sleeps_when_idle() -> None:
     async def scenario() -> None:
         thread.start(asyncio.get_running_loop())
         outputs = await _collect(thread, _requests([1], [2]))
-        assert sorted((o.request_id, len(o.token_ids)) for o in outputs) == [
+        assert sorted((o.request_id, len(o.outputs[0].token_ids)) for o in outputs) == [
             ("r0", 1), ("r0", 2), ("r0", 3), ("r1", 1), ("r1", 2), ("r1", 3),
         ]  # fmt: skip
         checks = engine.idle_checks
@@ -149,7 +153,7 @@ def test_engine_failure_reaches_clients_and_health() -> None:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         await thread.add(_requests([1]), queue)
         items = [await asyncio.wait_for(queue.get(), 10), await asyncio.wait_for(queue.get(), 10)]
-        assert items[0].finish_reason == "abort"  # aborted: its KV pages are freed
+        assert items[0].outputs[0].finish_reason == "abort"  # aborted: its KV pages are freed
         assert isinstance(items[1], EngineDeadError)
         with pytest.raises(EngineDeadError):
             await thread.add(_requests([2]), asyncio.Queue())

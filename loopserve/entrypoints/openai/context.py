@@ -16,6 +16,7 @@ from loopserve.entrypoints.openai.engine_thread import EngineThread
 from loopserve.entrypoints.openai.errors import OpenAIError
 from loopserve.entrypoints.openai.logprobs import LogprobFormatter
 from loopserve.entrypoints.openai.metrics import ServerMetrics
+from loopserve.models.generation_config import SamplingDefaults
 from loopserve.tokenizer import Tokenizer
 
 
@@ -25,6 +26,7 @@ class ModelInfo:
     max_model_len: int
     num_loops: int
     root: str  # the checkpoint directory
+    sampling_defaults: SamplingDefaults  # for request fields left unset (generation_config.json)
 
     @classmethod
     def of(cls, engine: Engine) -> ModelInfo:
@@ -34,6 +36,7 @@ class ModelInfo:
             max_model_len=engine.max_model_len,
             num_loops=engine.model_config.num_loops,
             root=str(engine.config.model) if engine.config.model is not None else "built-in",
+            sampling_defaults=engine.sampling_defaults,
         )
 
 

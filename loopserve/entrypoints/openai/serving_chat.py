@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from loopserve.entrypoints.openai.chat_template import ChatTemplateError
 from loopserve.entrypoints.openai.choice_state import ChoiceDelta
 from loopserve.entrypoints.openai.context import ServingContext
 from loopserve.entrypoints.openai.errors import bad_request
@@ -65,6 +66,7 @@ async def create_chat_completion(request: Request, context: ServingContext) -> R
         options,
         context.model.max_model_len,
         context.config.max_choices_per_request,
+        context.model.sampling_defaults,
     )
     writer = _ChatWriter(identity, plans, chat, context)
     return await respond(request, context.engine, plans, chat.stream, writer)
@@ -79,7 +81,13 @@ def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> Prompt
             "messages",
         )
     messages = [_message_dict(item.role, item.text(), item.name) for item in chat.messages]
-    text = context.chat_template.render(messages, chat.add_generation_prompt)
+    try:
+        text = context.chat_template.render(
+            messages, chat.add_generation_prompt, chat.chat_template_kwargs
+        )
+    except ChatTemplateError as error:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(error) else "messages"
+        raise bad_request(str(error), param) from None
     return tokenize_chat_prompt(text, context.model.tokenizer)
 
 
@@ -107,7 +115,7 @@ class _ChatWriter:
         with_ids = self._request.return_token_ids
         choices = []
         for plan in self._plans:
-            output = outputs[plan.request.request_id]
+            output = outputs[plan.request.request_id].outputs[0]
             choices.append(
                 ChatChoice(
                     index=plan.index,
@@ -119,7 +127,9 @@ class _ChatWriter:
                     token_ids=output.token_ids if with_ids else None,
                 )
             )
-        num_tokens = sum(len(outputs[plan.request.request_id].token_ids) for plan in self._plans)
+        num_tokens = sum(
+            len(outputs[plan.request.request_id].outputs[0].token_ids) for plan in self._plans
+        )
         response = ChatCompletionResponse(
             id=self._identity.id,
             created=self._identity.created,

@@ -59,6 +59,7 @@ async def create_completion(request: Request, context: ServingContext) -> Respon
         options,
         context.model.max_model_len,
         context.config.max_choices_per_request,
+        context.model.sampling_defaults,
     )
     writer = _CompletionWriter(identity, plans, completion, context)
     return await respond(request, context.engine, plans, completion.stream, writer)
@@ -80,7 +81,7 @@ class _CompletionWriter:
     def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
         choices = []
         for plan in self._plans:
-            output = outputs[plan.request.request_id]
+            output = outputs[plan.request.request_id].outputs[0]
             echo = self._echo(plan)
             delta = ChoiceDelta(
                 text=echo + output.text,
@@ -91,7 +92,9 @@ class _CompletionWriter:
                 stop_reason=output.stop_reason,
             )
             choices.append(self._choice(plan, delta, len(echo))[0])
-        num_tokens = sum(len(outputs[plan.request.request_id].token_ids) for plan in self._plans)
+        num_tokens = sum(
+            len(outputs[plan.request.request_id].outputs[0].token_ids) for plan in self._plans
+        )
         return to_json(self._body(choices, usage(self._plans, num_tokens)))
 
     async def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
