@@ -153,7 +153,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: OuroConfig, num_pa
             f"the KV cache ({num_pages - 1} pages of {config.scheduler.block_size} tokens) cannot "
             "hold one page per plane of a request; " + _raise_memory_hint(config)
         )
-    logger.info(
+    logger.warning(  # shown by default: requests longer than this are refused
         "max_model_len %d (the model allows %d): the longest request whose KV (%d loops, %s "
         "layout) fits in the cache of %d pages of %d tokens; %s, or set --max-model-len",
         fitting, model_limit, model_config.num_loops, config.scheduler.kv_layout.value,
