@@ -18,14 +18,15 @@ from loopserve.data.corpus import CorpusFile
 END_OF_TEXT = "<|endoftext|>"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # The model learned Python source, not conversations, so a chat is written the way its corpus
-# writes prose: each message as a comment line ("# user: ..."), then "# assistant:" and a new
-# line for the answer. There is no end-of-turn token; answers end at eos or max_tokens.
+# writes prose: each message as a comment line ("# user: ..."); the assistant's turn starts after
+# an empty line, where the model writes code. There is no end-of-turn token; answers end at eos or
+# max_tokens.
 CHAT_TEMPLATE = """\
 {%- for message in messages -%}
 {{- '# ' + message['role'] + ': ' + message['content'] | replace('\\n', '\\n# ') + '\\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-{{- '# assistant:\\n' -}}
+{{- '\\n' -}}
 {%- endif -%}
 """
 

@@ -101,7 +101,7 @@ def test_the_builtin_model_is_reachable_by_name_and_chats() -> None:
     assert llm.engine.info.model_dir == str(BUILTIN_MODEL_DIR)
     messages = [{"role": "user", "content": "Write a stack."}]
     (output,) = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0), n=2)
-    assert output.prompt == "# user: Write a stack.\n# assistant:\n"
+    assert output.prompt == "# user: Write a stack.\n\n"
     assert [len(sequence.token_ids) for sequence in output.outputs] == [4, 4]
     batch = llm.chat([messages, messages], SamplingParams(max_tokens=2, temperature=0.0))
     assert [out.outputs[0].token_ids for out in batch] == [output.outputs[0].token_ids[:2]] * 2

@@ -4,6 +4,7 @@ and `chat_template_kwargs` reach the chat template; through real HTTP where it m
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -82,3 +83,24 @@ def test_chat_template_kwargs_reach_the_template(tiny_model: Path) -> None:
     assert tokenizer.decode(with_kwargs[1]["prompt_token_ids"]) == "[pirate]hi\n"
     assert refused[0] == 400
     assert refused[1]["error"]["param"] == "chat_template_kwargs"
+
+
+def test_the_readmes_chat_request_answers_on_a_default_server() -> None:
+    """The built-in model ships a chat template: the README's chat example gets a 200."""
+    from fastapi.testclient import TestClient
+
+    from loopserve.config import EngineConfig
+    from loopserve.engine.engine import Engine
+    from loopserve.entrypoints.openai.app import build_app
+    from loopserve.entrypoints.openai.config import ServerConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    match = re.search(r"/v1/chat/completions .*?\\\n\s+-d '(\{.*?\})'", readme, re.DOTALL)
+    assert match is not None, "the README shows a chat request"
+    body = json.loads(match.group(1))
+    engine = Engine(EngineConfig.from_options(num_kv_pages=256))  # the defaults, a small cache
+    with TestClient(build_app(engine, ServerConfig())) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
