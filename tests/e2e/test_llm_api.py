@@ -115,3 +115,14 @@ def test_chat_needs_a_tokenizer_and_well_formed_messages(llm: LLM) -> None:
         builtin.chat([{"content": "no role"}])
     with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
         builtin.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []})
+
+
+def test_the_command_line_takes_the_builtin_model_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loopserve.entrypoints.cli import main
+
+    argv = ["generate", "--model", BUILTIN_MODEL_NAME, "--prompt", "import os", "--max-tokens", "3"]
+    assert main([*argv, "--json", "--num-kv-pages", "64"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert len(record["token_ids"]) == 3 and record["text"]

@@ -247,7 +247,7 @@ def test_request_validation_names_the_field() -> None:
     nulls = {"temperature": None, "n": None, "stop": None, "max_tokens": None, "stream": None}
     request = parse_request(ChatCompletionRequest, {"messages": [{"role": "user"}], **nulls})
     assert (request.temperature, request.n, request.stop_strings, request.stream) == (
-        1.0,
+        None,  # unset: the checkpoint's default, else SamplingParams'
         1,
         (),
         False,
