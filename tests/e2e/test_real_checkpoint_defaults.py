@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopserve import LLM
+from loopserve import LLM, SamplingParams
 from loopserve.runner.setup import auto_dtype
 from tests.real_ouro import ANSWER, OURO_1_4B_CONFIG, SCALED_DOWN, write_ouro_like_checkpoint
 
@@ -82,6 +82,17 @@ def test_chat_stops_at_im_end_with_no_max_tokens_or_stop_ids(llm: LLM) -> None:
     assert output.prompt is not None and output.prompt.endswith("<|im_start|>assistant\n")
     assert sequence.token_ids[-1] == IM_END and len(sequence.token_ids) == 2
     assert (sequence.text, sequence.finish_reason) == (ANSWER, "stop")
+
+
+def test_ignore_eos_and_stop_token_ids_still_work(llm: LLM) -> None:
+    (ignored,) = llm.chat(CHAT, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert ignored.outputs[0].token_ids[1] == IM_END and len(ignored.outputs[0].token_ids) == 4
+    assert ignored.outputs[0].finish_reason == "length"
+    assert llm.tokenizer is not None
+    answer = llm.tokenizer.token_to_id(ANSWER)
+    (stopped,) = llm.chat(CHAT, SamplingParams(stop_token_ids=[answer]))
+    assert stopped.outputs[0].token_ids == [answer]
+    assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", answer)
 
 
 def test_chat_template_kwargs_reach_the_template(llm: LLM) -> None:
