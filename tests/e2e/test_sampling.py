@@ -25,7 +25,7 @@ def sampled(seed: int) -> SamplingParams:
 
 def test_same_seed_same_tokens_alone_or_in_a_batch(llm: LLM) -> None:
     prompt = [5, 6, 7, 8, 9]
-    alone = llm.generate([prompt], sampled(1234))[0].outputs[0].outputs[0]
+    alone = llm.generate([prompt], sampled(1234))[0].outputs[0]
     others = [
         SamplingParams(max_tokens=9, temperature=0.8, seed=s) for s in range(len(OTHER_PROMPTS))
     ]
