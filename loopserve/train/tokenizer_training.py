@@ -57,9 +57,14 @@ def train_tokenizer(files: list[CorpusFile], vocab_size: int) -> Tokenizer:
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> Path:
-    """tokenizer.json and the chat template (chat_template.jinja, as transformers saves it)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tokenizer.json"
     tokenizer.save(str(path))
-    (directory / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
+    return path
+
+
+def save_chat_template(directory: Path) -> Path:
+    """The tiny model's chat template as chat_template.jinja (how transformers saves it)."""
+    path = directory / CHAT_TEMPLATE_FILE
+    path.write_text(CHAT_TEMPLATE)
     return path
