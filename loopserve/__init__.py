@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from loopserve.outputs import RequestOutput
+from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -17,7 +17,14 @@ if TYPE_CHECKING:
     from loopserve.engine.engine import Engine
     from loopserve.entrypoints.llm import LLM
 
-__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 _LAZY = {

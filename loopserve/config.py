@@ -17,6 +17,7 @@ from loopserve.depth.trace import D2_6, check_distribution
 from loopserve.kv.layout import KVLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GENERATION_CONFIGS = ("auto", "none")
 
 
 class LoadFormat(str, enum.Enum):
@@ -99,14 +100,18 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = setting(
-        None, "checkpoint directory (HF layout); default: the built-in tiny model"
+        None,
+        "checkpoint directory (HF layout), or ouro-tiny (the built-in model, the default)",
     )
     load_format: LoadFormat = setting(
         LoadFormat.AUTO, "auto: the checkpoint's safetensors; dummy: random weights"
     )
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = setting(
-        "auto", "weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU", choices=DTYPES
+        "auto",
+        "weights and KV dtype; auto: bfloat16 on CUDA; on CPU bfloat16 for a bfloat16 checkpoint "
+        "when the CPU has native bfloat16 support, else float32",
+        choices=DTYPES,
     )
     attention_backend: str = setting(
         "auto",
@@ -116,12 +121,25 @@ class EngineConfig:
     num_kv_pages: int | None = setting(
         None, "exact number of KV pages (the null page included); default: sized from memory"
     )
-    kv_cache_memory_gb: float = setting(1.0, "CPU: memory for the KV cache")
+    kv_cache_memory_gb: float | None = setting(
+        None,
+        "CPU: GiB for the KV cache; default: a quarter of the memory available after loading the "
+        "weights, at most 4 GiB, and no more than max_num_seqs requests of the model's length use",
+    )
     gpu_memory_utilization: float = setting(
         0.9, "CUDA: fraction of GPU memory for weights, activations and the KV cache"
     )
     max_model_len: int | None = setting(
-        None, "longest prompt + output; default: the model's max_position_embeddings"
+        None,
+        "longest prompt + output; default: the model's max_position_embeddings, or less when the "
+        "KV cache cannot hold one request that long (the start-up log says what was chosen)",
+    )
+    generation_config: str = setting(
+        "auto",
+        "auto: the sampling fields of the checkpoint's generation_config.json (temperature, top_p, "
+        "top_k, min_p, max_new_tokens) are the defaults of requests that leave them unset, as in "
+        "vLLM; none: loopserve's own defaults",
+        choices=GENERATION_CONFIGS,
     )
     seed: int = setting(
         0, "seed of the engine (request seeds, dummy weights)", flag="--engine-seed"
@@ -141,8 +159,13 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be positive")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be one of {GENERATION_CONFIGS}, "
+                f"got {self.generation_config!r}"
+            )
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
             raise ValueError("num_kv_pages must be at least 2 (page 0 is the null page)")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -1,6 +1,7 @@
 """What the engine streams back for each request.
 
-Owns: `RequestOutput` (cumulative state plus this step's delta) and `TokenLogprobs`.
+Owns: `RequestOutput` (a request: its prompt and its sequences), `CompletionOutput` (one sequence:
+cumulative state plus this step's delta), `TokenLogprobs` and `RequestMetrics`, in vLLM's shape.
 Must not: import torch.
 """
 
@@ -31,29 +32,45 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """A request's state after an engine step. `token_ids`, `text`, `exit_depths` and `logprobs`
-    are cumulative; `new_token_ids` and `new_text` are what this step added."""
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's `CompletionOutput`, plus the loops each token
+    ran). `text`, `token_ids`, `exit_depths` and `logprobs` are cumulative; `text` always equals
+    `tokenizer.decode(token_ids)` except where a stop string cut it. `new_token_ids` and `new_text`
+    are what the engine step that produced this output added (what a stream sends next)."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    index: int  # which of the request's `n` sequences this is
     text: str
+    token_ids: list[int]
     exit_depths: list[int]  # loops run to produce each generated token
     logprobs: list[TokenLogprobs] | None
-    finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
-    new_token_ids: list[int]
-    new_text: str
-    metrics: RequestMetrics
-    # The stop string or stop token that ended the request, if one did.
+    # The stop string or stop token that ended the sequence, if one did.
     stop_reason: str | int | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def mean_exit_depth(self) -> float:
         return sum(self.exit_depths) / len(self.exit_depths) if self.exit_depths else 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after an engine step (vLLM's `RequestOutput`): its prompt and one
+    `CompletionOutput` per generated sequence. `Engine.step` returns requests of one sequence;
+    `LLM.generate` with `n > 1` merges n of them into one output with `n` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool  # every sequence has finished
+    metrics: RequestMetrics
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

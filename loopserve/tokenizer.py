@@ -1,8 +1,11 @@
 """Text <-> token ids through a checkpoint's `tokenizer.json` (the `tokenizers` library).
 
-Owns: loading the tokenizer and its chat template (from tokenizer_config.json) and plain
-encode/decode. Must not: import torch. A checkpoint without tokenizer.json has no tokenizer; prompts
-must then be token ids.
+Owns: loading the tokenizer and its chat template's source, and plain encode/decode. The template
+is found as transformers finds it: `chat_template.jinja` beside the tokenizer (how current
+transformers saves it) wins over `chat_template` in tokenizer_config.json (a string, or a list of
+{name, template} whose "default" entry is used). Must not: import torch, or render templates
+(`entrypoints/openai/chat_template.py` does). A checkpoint without tokenizer.json has no
+tokenizer; prompts must then be token ids.
 """
 
 from __future__ import annotations
@@ -11,11 +14,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
 
 class Tokenizer:
-    def __init__(self, backend: Any, config: dict[str, Any]) -> None:
+    def __init__(
+        self, backend: Any, config: dict[str, Any], chat_template_file: str | None = None
+    ) -> None:
         self._backend = backend
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template: str | None = (
+            chat_template_file
+            if chat_template_file is not None
+            else _configured_template(config.get("chat_template"))
+        )
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.special_ids = frozenset(
@@ -35,7 +46,9 @@ class Tokenizer:
             return None
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        return cls(BackendTokenizer.from_file(str(path)), config)
+        template_path = directory / CHAT_TEMPLATE_FILE
+        template = template_path.read_text() if template_path.exists() else None
+        return cls(BackendTokenizer.from_file(str(path)), config, template)
 
     @property
     def vocab_size(self) -> int:
@@ -53,6 +66,18 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         index: int | None = self._backend.token_to_id(token)
         return index
+
+
+def _configured_template(entry: Any) -> str | None:
+    """tokenizer_config.json's `chat_template`: a string, or a list of {name, template}."""
+    if entry is None or isinstance(entry, str):
+        return entry
+    if isinstance(entry, list):
+        named = {item.get("name"): item.get("template") for item in entry if isinstance(item, dict)}
+        template = named.get("default")
+        if isinstance(template, str):
+            return template
+    raise ValueError("tokenizer_config.json: chat_template must be a string or have a 'default'")
 
 
 def _token_text(value: Any) -> str | None:

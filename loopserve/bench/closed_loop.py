@@ -144,16 +144,17 @@ def run_closed_loop(
 
 def _record(output: RequestOutput) -> RequestRecord:
     metrics = output.metrics
+    sequence = output.outputs[0]
     if metrics.first_token_time is None or metrics.finished_time is None:
         raise RuntimeError(f"request {output.request_id} finished without token times")
-    if output.finish_reason != "length":
+    if sequence.finish_reason != "length":
         raise RuntimeError(
-            f"request {output.request_id} ended with {output.finish_reason!r}, not 'length'"
+            f"request {output.request_id} ended with {sequence.finish_reason!r}, not 'length'"
         )
     return RequestRecord(
         request_id=output.request_id,
         num_prompt_tokens=output.num_prompt_tokens,
-        exit_depths=tuple(output.exit_depths),
+        exit_depths=tuple(sequence.exit_depths),
         arrival_time=metrics.arrival_time,
         first_token_time=metrics.first_token_time,
         token_times=tuple(metrics.token_times),

@@ -1,7 +1,9 @@
 """The markdown summary of an offline sweep: the table, ratios within the run, the issue's targets.
 
-Owns: formatting results as markdown, pairing variants that differ in one setting (trace/fixed,
-refill/no_refill, graphs/eager) and saying whether a ratio is beyond the noise, and evaluating
+Owns: formatting results as markdown (one row per variant, the KV layout a column of its own, so
+`--kv-layout full,shared` never prints two rows under one label), pairing variants that differ in
+one setting (trace/fixed, refill/no_refill, graphs/eager; within one layout) and saying whether a
+ratio is beyond the noise, and evaluating
 the targets of GPU issue 3 where the sweep has the data. Must not: assert or fail on any figure;
 targets are reported as met or missed, nothing more.
 
@@ -63,17 +65,18 @@ def _number(value: object, digits: int = 1) -> str:
 
 def _table(results: list[SpecResult]) -> list[str]:
     header = (
-        "| workload | C | exits | scheduling | graphs | output tok/s [min–max] | total tok/s | "
-        "TTFT p50 ms | TPOT p50 ms | ITL p50 ms | floor % | depth | occupancy | KV peak/total |"
+        "| workload | C | exits | scheduling | graphs | KV layout | output tok/s [min–max] | "
+        "total tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | floor % | depth | occupancy | "
+        "KV peak/total |"
     )
-    lines = [header, "|" + "---|" * 14]
+    lines = [header, "|" + "---|" * 15]
     for result in results:
         variant, point, figures = result.spec.variant, result.spec.point, result.medians
         low, high = result.spread["output_tok_s"]
         floor = figures["floor_ratio"]
         lines.append(
             f"| {point.workload.name} | {point.concurrency} | {variant.exits} | "
-            f"{variant.scheduling} | {'on' if variant.graphs else 'off'} | "
+            f"{variant.scheduling} | {'on' if variant.graphs else 'off'} | {variant.kv_layout} | "
             f"{_number(figures['output_tok_s'])} [{_number(low)}–{_number(high)}] | "
             f"{_number(figures['total_tok_s'])} | {_number(figures['ttft_p50_ms'])} | "
             f"{_number(figures['tpot_p50_ms'], 2)} | {_number(figures['itl_p50_ms'], 2)} | "
@@ -90,6 +93,7 @@ def _index(results: list[SpecResult]) -> dict[tuple[Point, Variant], SpecResult]
 
 def _ratio_rows(results: list[SpecResult], pairing: Pairing) -> list[str]:
     index = _index(results)
+    with_layout = len({result.spec.variant.kv_layout for result in results}) > 1
     rows = []
     for result in results:
         variant = result.spec.variant
@@ -98,7 +102,7 @@ def _ratio_rows(results: list[SpecResult], pairing: Pairing) -> list[str]:
         partner = index.get((result.spec.point, _with(variant, pairing.axis, pairing.bottom)))
         if partner is None:
             continue
-        rows.append(_ratio_row(result, partner, pairing))
+        rows.append(_ratio_row(result, partner, pairing, with_layout))
     if not rows:
         return []
     bound = " | bound | of bound" if pairing.axis == "exits" else ""
@@ -114,7 +118,7 @@ def _with(variant: Variant, axis: str, value: str | bool) -> Variant:
     return replace(variant, scheduling=str(value))
 
 
-def _ratio_row(top: SpecResult, bottom: SpecResult, pairing: Pairing) -> str:
+def _ratio_row(top: SpecResult, bottom: SpecResult, pairing: Pairing, with_layout: bool) -> str:
     ratio = throughput_ratio(top, bottom)
     others = [
         value
@@ -125,6 +129,8 @@ def _ratio_row(top: SpecResult, bottom: SpecResult, pairing: Pairing) -> str:
         )
         if name != pairing.axis
     ]
+    if with_layout:
+        others.append(top.spec.variant.kv_layout)
     point = top.spec.point
     row = f"| {point.workload.name} | {point.concurrency} | {'/'.join(others)} | "
     row += f"{_number(ratio, 2)}× | {beyond_noise(top, bottom)} |"

@@ -156,8 +156,9 @@ class SweepRunner:
         if peak is not None:
             figures["peak_gpu_memory_gib"] = peak / 2**30
         _say(
-            f"  {spec.variant.label()} {spec.point.workload.name} C={concurrency} trial "
-            f"{trial + 1}/{spec.trials}: {figures['output_tok_s']:.1f} output tok/s, floor ratio "
+            f"  {spec.variant.label(with_layout=True)} {spec.point.workload.name} "
+            f"C={concurrency} trial {trial + 1}/{spec.trials}: "
+            f"{figures['output_tok_s']:.1f} output tok/s, floor ratio "
             f"{figures['floor_ratio']:.2f} ({record.duration_s:.1f} s)"
         )
         return figures

@@ -1,7 +1,9 @@
 """The engine: requests in, one step at a time, `RequestOutput`s out.
 
-Owns: request validation at the boundary, resolving per-request defaults (`ResolvedParams`), the
-schedule -> execute -> update loop, detokenization and stop strings, and statistics.
+Owns: request validation at the boundary, resolving per-request defaults (`ResolvedParams`; the
+checkpoint's end-of-sequence set, `engine.end_of_sequence`; its generation_config.json sampling
+defaults for requests that give no params), the schedule -> execute -> update loop,
+detokenization and stop strings, and statistics.
 Must not: touch device tensors (the runner does), make batching decisions (the scheduler does),
 or import the runner: it drives whatever `Runner` it is handed (`engine.runner_api`).
 
@@ -14,6 +16,7 @@ frees its slot and pages.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -23,16 +26,24 @@ from loopserve.config import EngineConfig
 from loopserve.depth.policy import ExitMode
 from loopserve.depth.trace import fit_model
 from loopserve.engine.detokenizer import IncrementalDetokenizer
+from loopserve.engine.end_of_sequence import end_of_sequence
 from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.engine.runner_api import PendingStep, Runner, RunnerInfo, default_runner
 from loopserve.engine.scheduler import Scheduler
 from loopserve.engine.scheduler_output import SchedulerOutput
 from loopserve.engine.stats import EngineStats
-from loopserve.models.generation_config import GenerationDefaults, read_generation_defaults
-from loopserve.outputs import RequestMetrics, RequestOutput
+from loopserve.models.generation_config import (
+    GenerationDefaults,
+    SamplingDefaults,
+    read_generation_defaults,
+)
+from loopserve.models.ouro_config import ConfigError
+from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loopserve.request import Request
 from loopserve.sampling_params import ResolvedParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -57,7 +68,11 @@ class Engine:
         generation = (
             read_generation_defaults(model_dir) if model_dir is not None else GenerationDefaults()
         )
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids + generation.eos_token_ids)
+        self.end_of_sequence = end_of_sequence(self.model_config, generation, self.tokenizer)
+        self.eos_token_ids = self.end_of_sequence.token_ids
+        logger.info("end-of-sequence ids: %s", self.end_of_sequence.describe())
+        self.sampling_defaults = _sampling_defaults(config, generation)
+        self._default_params = SamplingParams(**self.sampling_defaults.overrides())
         self.kv = KVCacheManager(
             self.info.num_kv_pages, scheduler_config.block_size, scheduler_config.prefix_caching
         )
@@ -74,6 +89,11 @@ class Engine:
     def max_model_len(self) -> int:
         return self.info.max_model_len
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request that gives no `SamplingParams` runs with: `SamplingParams()` with the
+        checkpoint's generation_config.json sampling fields (unless `generation_config="none"`)."""
+        return self._default_params
+
     # ----- requests ------------------------------------------------------------------------
 
     def add_request(
@@ -83,8 +103,10 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
-        params = params or SamplingParams()
+        """Validate and queue a request; returns its id. Raises ValueError on bad input.
+
+        `params` None runs with `default_sampling_params()`."""
+        params = params or self._default_params
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:  # never collide with an id a caller chose
@@ -121,7 +143,7 @@ class Engine:
         self._requests[request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
+                self.tokenizer, params.skip_special_tokens, params.stop
             )
         return request_id
 
@@ -233,20 +255,24 @@ class Engine:
             self._detokenizers.pop(request.request_id, None)
             if detokenizer is not None:
                 new_text += detokenizer.flush()  # text held back for a stop string that never came
+        completion = CompletionOutput(
+            index=0,
+            text=detokenizer.text if detokenizer is not None else "",
+            token_ids=list(request.output_token_ids),
+            exit_depths=list(request.exit_depths),
+            logprobs=list(request.logprobs) if request.params.params.logprobs is not None else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            new_token_ids=new_ids,
+            new_text=new_text,
+        )
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=detokenizer.text if detokenizer is not None else "",
-            exit_depths=list(request.exit_depths),
-            logprobs=list(request.logprobs) if request.params.params.logprobs is not None else None,
+            outputs=[completion],
             finished=request.finished,
-            finish_reason=request.finish_reason,
-            new_token_ids=new_ids,
-            new_text=new_text,
             metrics=request.metrics,
-            stop_reason=request.stop_reason,
         )
 
     def stats(self) -> EngineStats:
@@ -268,3 +294,27 @@ class Engine:
             num_preemptions=scheduler.preemptions,
             prefix_cache_hit_rate=scheduler.prefix_hit_rate,
         )
+
+
+def _sampling_defaults(config: EngineConfig, generation: GenerationDefaults) -> SamplingDefaults:
+    """The checkpoint's sampling defaults, checked once; none with `generation_config="none"`."""
+    if config.generation_config == "none":
+        return SamplingDefaults()
+    defaults = generation.sampling
+    try:
+        SamplingParams(**defaults.overrides())
+    except ValueError as error:
+        raise ConfigError(f"generation_config.json: {error}") from None
+    if defaults.overrides():
+        logger.info(
+            "sampling defaults from generation_config.json (for fields a request leaves unset; "
+            "--generation-config none turns them off): %s",
+            defaults.overrides(),
+        )
+    if defaults.repetition_penalty not in (None, 1.0):
+        logger.warning(
+            "generation_config.json sets repetition_penalty %s, which loopserve does not "
+            "implement: requests run without it",
+            defaults.repetition_penalty,
+        )
+    return defaults

@@ -1,28 +1,37 @@
-"""`LLM`: the offline Python API (a thin wrapper around `Engine`, not a subclass of it).
+"""`LLM`: the offline Python API (a thin wrapper around `Engine`, not a subclass of it), in vLLM's
+shape: `generate` and `chat` return one `RequestOutput` per prompt, whose `.outputs` hold its `n`
+sequences (`CompletionOutput`: `text`, `token_ids`, `exit_depths`, `logprobs`, `finish_reason`).
 
-Owns: turning a batch of prompts into ordered outputs, with a progress bar for large batches.
-Must not: duplicate engine logic; everything goes through `Engine.add_request` and `Engine.step`.
+Owns: turning a batch of prompts (or conversations, rendered with the chat template) into ordered
+outputs, `n` sequences per prompt as `n` engine requests (seeds `seed + i`, as the server does),
+and a progress bar for large batches. Must not: duplicate engine logic; everything goes through
+`Engine.add_request` and `Engine.step`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
-from loopserve.outputs import RequestOutput
+from loopserve.outputs import RequestMetrics, RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+# One chat message: {"role": ..., "content": str or [{"type": "text", "text": ...}, ...]}.
+Message = Mapping[str, Any]
+
+_MAX_SEED = 2**63
 
 
 class LLM:
     """Generate with a looped model.
 
     Args:
-        model: checkpoint directory (HF layout); None uses the built-in tiny model.
+        model: checkpoint directory (HF layout), or "ouro-tiny"; None uses the built-in tiny model.
         **engine_options: any setting of `EngineConfig` or its `SchedulerConfig` (device, dtype,
             kv_layout, attention_backend, exit_mode, scheduling, max_num_seqs, seed, ...).
     """
@@ -34,63 +43,179 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `sampling_params=None` means: the checkpoint's generation_config.json sampling
+        fields over `SamplingParams()`'s defaults."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        n: int = 1,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         Args:
             prompts: a string, a list of token ids, or a list of either.
-            sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
+            sampling_params: one for all prompts, or one per prompt (default:
+                `get_default_sampling_params()`).
+            n: sequences per prompt; sequence i of a seeded request uses seed + i.
             use_tqdm: show a progress bar; None shows one for more than 8 prompts.
         Returns:
-            One finished RequestOutput per prompt.
+            One finished RequestOutput per prompt, with `n` sequences in `.outputs`.
         """
         batch = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(batch))
-        ids: list[str] = []
+        params = self._params_list(sampling_params, len(batch))
+        return self._generate(batch, params, n, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        n: int = 1,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer conversations: each is rendered with the chat template and generated from.
+
+        Args:
+            messages: one conversation (a list of messages) or a list of conversations.
+            sampling_params: as in `generate`.
+            n: sequences per conversation.
+            use_tqdm: as in `generate`.
+            chat_template: template text overriding the checkpoint's.
+            chat_template_kwargs: extra template variables, e.g. {"enable_thinking": True}.
+            add_generation_prompt: end the prompt with the header of the assistant's turn.
+        Returns:
+            One RequestOutput per conversation; its `prompt` is the rendered text.
+        Raises:
+            ValueError: no chat template, or the template refused a conversation.
+        """
+        from loopserve.entrypoints.chat_prompts import render_conversations
+
+        texts, token_ids = render_conversations(
+            messages,
+            self.tokenizer,
+            chat_template,
+            chat_template_kwargs,
+            add_generation_prompt,
+        )
+        params = self._params_list(sampling_params, len(texts))
+        outputs = self._generate(list(token_ids), params, n, use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
+
+    def _params_list(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+        return params
+
+    def _generate(
+        self, batch: list[Prompt], params: list[SamplingParams], n: int, use_tqdm: bool | None
+    ) -> list[RequestOutput]:
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        groups: list[list[str]] = []
         try:
             for prompt, request_params in zip(batch, params, strict=True):
-                ids.append(self.engine.add_request(prompt, request_params))
+                groups.append([])
+                for index in range(n):
+                    sequence_params = _sequence_params(request_params, index)
+                    groups[-1].append(self.engine.add_request(prompt, sequence_params))
         except ValueError as error:
-            for request_id in ids:  # bad input loses nothing: undo what was queued
-                self.engine.abort(request_id)
-            raise ValueError(f"prompt {len(ids)}: {error}") from None
+            for request_id in (request_id for group in groups for request_id in group):
+                self.engine.abort(request_id)  # bad input loses nothing: undo what was queued
+            raise ValueError(f"prompt {len(groups) - 1}: {error}") from None
         show = len(batch) > 8 if use_tqdm is None else use_tqdm
-        return self._run(ids, show)
+        finished = self._run(groups, show)
+        return [_merged([finished[request_id] for request_id in group]) for group in groups]
 
-    def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+    def _run(self, groups: list[list[str]], show_progress: bool) -> dict[str, RequestOutput]:
+        """Step the engine until every request of `groups` finished; their final outputs."""
         finished: dict[str, RequestOutput] = {}
+        group_of = {request_id: index for index, group in enumerate(groups) for request_id in group}
+        left = [len(group) for group in groups]
         progress = None
         if show_progress:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
+            progress = tqdm(total=len(groups), desc="generating", unit="req", dynamic_ncols=True)
         generated = 0
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    generated += len(output.new_token_ids)
+                    generated += len(output.outputs[0].new_token_ids)
                     if output.finished:
                         finished[output.request_id] = output
-                        if progress is not None:
+                        left[group_of[output.request_id]] -= 1
+                        if progress is not None and not left[group_of[output.request_id]]:
                             progress.update(1)
                 if progress is not None:
                     rate = generated / max(progress.format_dict["elapsed"], 1e-9)
                     progress.set_postfix(tok_per_s=f"{rate:.1f}", refresh=False)
         except BaseException:
-            for request_id in ids:
+            for request_id in group_of:
                 if request_id not in finished:
                     self.engine.abort(request_id)
             raise
         finally:
             if progress is not None:
                 progress.close()
-        return [finished[request_id] for request_id in ids]
+        return finished
+
+
+def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index` of a request: seed + index when the request is seeded."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + index) % _MAX_SEED)
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """The n engine requests of one prompt as one output with n sequences (the first's id)."""
+    first = outputs[0]
+    if len(outputs) == 1:
+        return first
+    completions = [replace(output.outputs[0], index=index) for index, output in enumerate(outputs)]
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=all(output.finished for output in outputs),
+        metrics=_merged_metrics([output.metrics for output in outputs]),
+    )
+
+
+def _merged_metrics(metrics: list[RequestMetrics]) -> RequestMetrics:
+    """One request's times from its sequences': first arrival, first token, last finish."""
+
+    def earliest(values: list[float | None]) -> float | None:
+        known = [value for value in values if value is not None]
+        return min(known) if known else None
+
+    finished = [item.finished_time for item in metrics]
+    return RequestMetrics(
+        arrival_time=min(item.arrival_time for item in metrics),
+        first_scheduled_time=earliest([item.first_scheduled_time for item in metrics]),
+        first_token_time=earliest([item.first_token_time for item in metrics]),
+        finished_time=None if None in finished else max(t for t in finished if t is not None),
+        token_times=sorted(time for item in metrics for time in item.token_times),
+    )
 
 
 def _is_token_ids(value: object) -> bool:
@@ -112,16 +237,3 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             raise TypeError(f"prompt {index} must be a string or a list of token ids")
         batch.append(prompt)  # type: ignore[arg-type]
     return batch
-
-
-def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    return params

@@ -1,14 +1,17 @@
 """Writes random-weight Ouro checkpoints in the exact HF layout, for tests and benchmarks.
 
 Owns: config.json, generation_config.json and safetensors files (single or sharded with an index)
-for any `OuroConfig`. Must not: be used to save trained models silently over existing files.
+for any `OuroConfig`; config.json declares the dtype the tensors really have, and every file gets
+the same permissions (0666 less the umask, as `open` gives). Must not: be used to save trained
+models silently over existing files.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -65,16 +68,18 @@ def write_checkpoint(
     *,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write config, generation config and weights; shard above max_shard_bytes."""
+    """Write config, generation config and weights; shard above max_shard_bytes. config.json's
+    `torch_dtype` is the tensors' dtype (they must share one)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    config = replace(config, weights_dtype=_common_dtype(tensors))
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     metadata = {"format": "pt"}
     total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, str(directory / SINGLE_FILE), metadata=metadata)
+        _save(tensors, directory / SINGLE_FILE, metadata)
         return directory
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -88,11 +93,26 @@ def write_checkpoint(
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file), metadata=metadata)
+        _save(shard, directory / file, metadata)
         weight_map.update(dict.fromkeys(shard, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return directory
+
+
+def _common_dtype(tensors: dict[str, torch.Tensor]) -> str:
+    dtypes = sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors.values()})
+    if len(dtypes) != 1:
+        raise ValueError(f"the tensors of one checkpoint must share a dtype, got {dtypes}")
+    return dtypes[0]
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors creates its files with mode 0600; give them what every other file gets."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def write_random_checkpoint(

@@ -21,6 +21,8 @@ from loopserve.models.ouro_config import OuroConfig
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# The safetensors dtype of each `torch_dtype` a config.json may declare.
+DECLARED_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -133,11 +135,21 @@ def validate_checkpoint(config: OuroConfig, files: dict[str, Path]) -> None:
                         f"tensor {name} in {path.name} has shape {list(shape)}, but the config "
                         f"implies {list(expected[name])}"
                     )
-                if view.get_dtype() not in SAFETENSORS_DTYPES:
-                    raise CheckpointError(
-                        f"tensor {name} in {path.name} has dtype {view.get_dtype()}; "
-                        "only F32, BF16 and F16 weights are supported"
-                    )
+                _check_dtype(config, name, path, view.get_dtype())
+
+
+def _check_dtype(config: OuroConfig, name: str, path: Path, dtype: str) -> None:
+    if dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"tensor {name} in {path.name} has dtype {dtype}; "
+            "only F32, BF16 and F16 weights are supported"
+        )
+    declared = config.weights_dtype
+    if declared is not None and DECLARED_DTYPES[declared] != dtype:
+        raise CheckpointError(
+            f"tensor {name} in {path.name} is {dtype}, but config.json declares torch_dtype "
+            f"{declared!r}; set torch_dtype to the weights' dtype in config.json"
+        )
 
 
 def _empty_model(config: OuroConfig, dtype: torch.dtype, device: torch.device) -> OuroForCausalLM:

@@ -1,7 +1,10 @@
 """The Ouro model configuration, read from (and written to) an HF `config.json`.
 
-Owns: parsing and validating the HF config fields loopserve understands, and rejecting the ones it
-does not. Must not: import torch, or hold anything resolved at run time (dtype, device, KV size).
+Owns: parsing and validating the HF config fields loopserve understands (as written by the
+transformers versions Ouro was published with and by current ones: `rope_parameters`, `dtype`),
+and rejecting the ones it does not, saying why. Must not: import torch, or hold anything resolved
+at run time (the dtype the engine runs in, device, KV size): `weights_dtype` is what the checkpoint
+declares, not what runs.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ _IGNORED_FIELDS = frozenset(
         "_name_or_path",
         "name_or_path",
         "transformers_version",
-        "torch_dtype",
-        "dtype",
         "initializer_range",
         "use_cache",
         "auto_map",
@@ -55,9 +56,13 @@ _FIXED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_sliding_window": (False, None),
     "attention_bias": (False, None),
     "mlp_bias": (False, None),
-    "rope_scaling": (None,),
     "early_exit_step": (None,),
 }
+
+# The rotary embedding variants loopserve implements (HF `rope_type`; "default" is plain RoPE).
+SUPPORTED_ROPE_TYPES = ("default",)
+# Dtypes a checkpoint may declare for its weights (HF `torch_dtype`, `dtype` in transformers v5).
+WEIGHTS_DTYPES = ("float32", "bfloat16", "float16")
 
 _FIELDS_READ = frozenset(
     {
@@ -73,6 +78,11 @@ _FIELDS_READ = frozenset(
         "max_position_embeddings",
         "rms_norm_eps",
         "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "torch_dtype",
+        "dtype",
+        "quantization_config",
         "total_ut_steps",
         "early_exit_threshold",
         "tie_word_embeddings",
@@ -104,6 +114,8 @@ class OuroConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = field(default=(0,))
+    # The dtype the checkpoint declares for its weights (HF `torch_dtype`); None: not declared.
+    weights_dtype: str | None = "bfloat16"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -130,12 +142,13 @@ class OuroConfig:
             head_dim=int(raw.get("head_dim") or hidden // heads),
             max_position_embeddings=_required_int(raw, "max_position_embeddings"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=_rope_theta(raw),
             num_loops=int(raw.get("total_ut_steps", 4)),
             early_exit_threshold=float(raw.get("early_exit_threshold") or 1.0),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(token) for token in eos_ids),
+            weights_dtype=_weights_dtype(raw),
         )
 
     @classmethod
@@ -159,6 +172,7 @@ class OuroConfig:
         fields = asdict(self)
         eos = fields.pop("eos_token_ids")
         fields["total_ut_steps"] = fields.pop("num_loops")
+        weights_dtype = fields.pop("weights_dtype")
         return {
             "architectures": ["OuroForCausalLM"],
             "model_type": "ouro",
@@ -167,7 +181,7 @@ class OuroConfig:
             "hidden_act": "silu",
             "rope_scaling": None,
             "use_sliding_window": False,
-            "torch_dtype": "bfloat16",
+            **({} if weights_dtype is None else {"torch_dtype": weights_dtype}),
         }
 
 
@@ -195,6 +209,13 @@ def _check_fields(raw: dict[str, Any]) -> None:
                 f"config field '{name}' = {raw[name]!r} is not supported "
                 f"(loopserve implements {accepted[0]!r} only)"
             )
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ConfigError(
+            f"quantized checkpoints are not supported yet (quantization_config, quant_method "
+            f"{method!r}); use the unquantized checkpoint (BF16 weights)"
+        )
     layer_types = raw.get("layer_types")
     if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
         raise ConfigError(
@@ -207,6 +228,52 @@ def _check_fields(raw: dict[str, Any]) -> None:
             f"unknown config field(s) {unknown}: loopserve does not know whether they change the "
             "model; remove them from config.json if they do not"
         )
+
+
+def _rope_type(entry: Any, name: str) -> str:
+    """The rope type of a `rope_scaling` / `rope_parameters` entry ("type" is the old key)."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"config field '{name}' must be an object, got {entry!r}")
+    rope_type = entry.get("rope_type", entry.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"config field '{name}' asks for rope_type {rope_type!r}, which loopserve does not "
+            f"implement yet (it implements {', '.join(map(repr, SUPPORTED_ROPE_TYPES))}: plain "
+            "RoPE); such a checkpoint would give wrong outputs, so it is refused"
+        )
+    return str(rope_type)
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    """RoPE's base from `rope_theta` or (transformers v5) `rope_parameters`; the rope type must be
+    one loopserve implements, in `rope_scaling` and `rope_parameters` alike."""
+    theta = raw.get("rope_theta")
+    for name in ("rope_scaling", "rope_parameters"):
+        entry = raw.get(name)
+        if entry is None:
+            continue
+        _rope_type(entry, name)
+        nested = entry.get("rope_theta")
+        if nested is not None and theta is not None and float(nested) != float(theta):
+            raise ConfigError(
+                f"config fields 'rope_theta' ({theta}) and '{name}.rope_theta' ({nested}) disagree"
+            )
+        theta = theta if nested is None else nested
+    return float(theta if theta is not None else 10000.0)
+
+
+def _weights_dtype(raw: dict[str, Any]) -> str | None:
+    """`torch_dtype` (or `dtype`, its transformers v5 name); None when the config declares none."""
+    declared = raw.get("torch_dtype", raw.get("dtype"))
+    if declared is None:
+        return None
+    name = str(declared).removeprefix("torch.")
+    if name not in WEIGHTS_DTYPES:
+        raise ConfigError(
+            f"config field 'torch_dtype' = {declared!r} is not supported (loopserve loads "
+            f"{', '.join(WEIGHTS_DTYPES)} weights)"
+        )
+    return name
 
 
 def _validate(config: OuroConfig) -> None:
@@ -240,6 +307,8 @@ def _validate(config: OuroConfig) -> None:
     for token in config.eos_token_ids:
         if not 0 <= token < config.vocab_size:
             raise ConfigError(f"eos_token_id {token} is outside the vocabulary")
+    if config.weights_dtype is not None and config.weights_dtype not in WEIGHTS_DTYPES:
+        raise ConfigError(f"weights_dtype must be one of {WEIGHTS_DTYPES} or None")
 
 
 # Shapes that `loopserve make-checkpoint`, the benchmarks and the tests write (changes from

@@ -1,13 +1,20 @@
-"""How many KV pages an engine gets: explicit, from a CPU budget, or from what the GPU has left.
+"""How many KV pages an engine gets, and the longest request they can hold.
 
-Owns: profiling the largest step's activation peak, turning free device memory into pages, and
-the start-up check that one request of max_model_len tokens fits. Must not: allocate the cache
+Owns: the number of pages (explicit; on CPU from `kv_cache_memory_gb` or, by default, from the
+memory available; on CUDA from what the GPU has left after the weights and the largest step's
+profiled activation peak), and `max_model_len` against that cache: by default the longest request
+whose worst-case reservation (every plane of its layout) fits, never above the model's
+`max_position_embeddings`, logged in one line; an explicit `max_model_len` that cannot fit is an
+error saying what to change. With an exact `num_kv_pages` (tests, experiments) the model's length
+stands and a request that cannot fit is refused when it is added. Must not: allocate the cache
 (the runner's setup does).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
 
@@ -22,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 # Kept free on the GPU for CUDA graph pools, kernel workspaces and allocator fragmentation.
 _GPU_MARGIN_BYTES = 1 << 30
+# CPU default: this share of the memory available after the weights are loaded, at most the cap.
+_CPU_MEMORY_SHARE = 0.25
+_CPU_DEFAULT_CAP_BYTES = 4 << 30
 
 
 @torch.inference_mode()
@@ -51,26 +61,17 @@ def profile_step_peak(model: OuroForCausalLM, config: EngineConfig, device: torc
 def num_kv_pages(
     config: EngineConfig, model: OuroForCausalLM, bytes_per_page: int, device: torch.device
 ) -> int:
+    """Pages of the KV cache, the null page included."""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
     if device.type == "cuda":
-        peak = profile_step_peak(model, config, device)
-        free, total = torch.cuda.mem_get_info(device)
-        other_processes = total - free - torch.cuda.memory_reserved(device)
-        weights = torch.cuda.memory_allocated(device)
-        budget = (
-            int(total * config.gpu_memory_utilization)
-            - other_processes
-            - weights
-            - peak
-            - _GPU_MARGIN_BYTES
-        )
-        logger.info(
-            "GPU memory: %.1f GiB total, weights %.2f GiB, step peak %.2f GiB, KV budget %.1f GiB",
-            total / 2**30, weights / 2**30, peak / 2**30, budget / 2**30,
-        )  # fmt: skip
-    else:
+        budget = _gpu_budget(config, model, device)
+    elif config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * 2**30)
+    else:
+        budget = min(int(_available_memory() * _CPU_MEMORY_SHARE), _CPU_DEFAULT_CAP_BYTES)
+        budget = min(budget, _useful_pages(config, model.config) * bytes_per_page)
+        logger.info("CPU KV cache: %.2f GiB (--kv-cache-memory-gb to change)", budget / 2**30)
     pages = budget // bytes_per_page
     if pages < 2:
         raise ValueError(
@@ -81,18 +82,116 @@ def num_kv_pages(
     return int(pages)
 
 
+def _gpu_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.device) -> int:
+    peak = profile_step_peak(model, config, device)
+    free, total = torch.cuda.mem_get_info(device)
+    other_processes = total - free - torch.cuda.memory_reserved(device)
+    weights = torch.cuda.memory_allocated(device)
+    budget = (
+        int(total * config.gpu_memory_utilization)
+        - other_processes
+        - weights
+        - peak
+        - _GPU_MARGIN_BYTES
+    )
+    logger.info(
+        "GPU memory: %.1f GiB total, weights %.2f GiB, step peak %.2f GiB, KV budget %.1f GiB",
+        total / 2**30, weights / 2**30, peak / 2**30, budget / 2**30,
+    )  # fmt: skip
+    return budget
+
+
+def _available_memory() -> int:
+    """Bytes of memory the system can still give (MemAvailable), free pages where unknown."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _useful_pages(config: EngineConfig, model_config: OuroConfig) -> int:
+    """Pages that max_num_seqs requests of the longest length can reserve at once, plus the null
+    page: a larger CPU cache would never be used."""
+    length = config.max_model_len or model_config.max_position_embeddings
+    return config.scheduler.max_num_seqs * _pages_for_one_request(config, model_config, length) + 1
+
+
+def _pages_for_one_request(config: EngineConfig, model_config: OuroConfig, length: int) -> int:
+    """Worst-case pages of one request of `length` tokens (whose prompt may be nearly all of them,
+    so both layouts need every plane)."""
+    block = config.scheduler.block_size
+    return config.scheduler.kv_layout.pages_needed(model_config.num_loops, length, length, block)
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: OuroConfig, num_pages: int) -> int:
+    """`max_model_len`: the configured one (checked against the cache) or the longest that fits.
+
+    Raises:
+        ValueError: the configured length exceeds the model's, or (with an auto-sized cache) one
+            request of it cannot fit; or not even one page per plane fits.
+    """
+    model_limit = model_config.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({model_limit})"
+            )
+        if config.num_kv_pages is None:
+            check_one_request_fits(config, model_config, num_pages, config.max_model_len)
+        return config.max_model_len
+    if config.num_kv_pages is not None:
+        return model_limit  # exact pages: the caller's choice; too long a request is refused
+    fitting = _longest_fitting(config, model_config, num_pages - 1, model_limit)
+    if fitting == model_limit:
+        logger.info("max_model_len %d: the model's max_position_embeddings", fitting)
+        return fitting
+    if fitting < 2:
+        raise ValueError(
+            f"the KV cache ({num_pages - 1} pages of {config.scheduler.block_size} tokens) cannot "
+            "hold one page per plane of a request; " + _raise_memory_hint(config)
+        )
+    logger.warning(  # shown by default: requests longer than this are refused
+        "max_model_len %d (the model allows %d): the longest request whose KV (%d loops, %s "
+        "layout) fits in the cache of %d pages of %d tokens; %s, or set --max-model-len",
+        fitting, model_limit, model_config.num_loops, config.scheduler.kv_layout.value,
+        num_pages - 1, config.scheduler.block_size, _raise_memory_hint(config),
+    )  # fmt: skip
+    return fitting
+
+
+def _longest_fitting(
+    config: EngineConfig, model_config: OuroConfig, usable_pages: int, limit: int
+) -> int:
+    """The largest length <= limit whose worst case fits in usable_pages (0 if none does)."""
+    low, high = 0, limit  # invariant: low fits (0 trivially), everything above high does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _pages_for_one_request(config, model_config, middle) <= usable_pages:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _raise_memory_hint(config: EngineConfig) -> str:
+    if config.device.startswith("cuda"):
+        return "raise --gpu-memory-utilization for more"
+    return "raise --kv-cache-memory-gb for more"
+
+
 def check_one_request_fits(
     config: EngineConfig, model_config: OuroConfig, num_pages: int, max_model_len: int
 ) -> None:
-    """Auto-sized caches must hold at least one request of max_model_len tokens (whose prompt
-    may be nearly all of them, so both layouts need every plane)."""
+    """Auto-sized caches must hold at least one request of max_model_len tokens."""
     block = config.scheduler.block_size
-    needed = config.scheduler.kv_layout.pages_needed(
-        model_config.num_loops, max_model_len, max_model_len, block
-    )
+    needed = _pages_for_one_request(config, model_config, max_model_len)
     if needed > num_pages - 1:
         raise ValueError(
             f"the KV cache holds {num_pages - 1} pages of {block} tokens, but one request of "
-            f"max_model_len={max_model_len} tokens needs {needed}; lower --max-model-len or raise "
-            "--gpu-memory-utilization (or --kv-cache-memory-gb on CPU)"
+            f"max_model_len={max_model_len} tokens needs {needed}; lower --max-model-len (or leave "
+            f"it unset: the default is the longest that fits) or "
+            + _raise_memory_hint(config).removesuffix(" for more")
         )

@@ -1,8 +1,10 @@
 """Builds the device side of an engine: model, KV storage, attention backend, decode step.
 
-Owns: resolving device and dtype, loading weights, choosing the attention backend, and composing
-the `ModelRunner`. Must not: write anything back into `EngineConfig`; what it resolves is reported
-as the runner's `RunnerInfo`.
+Owns: resolving device and dtype (`auto`: bfloat16 on CUDA; on CPU the checkpoint's bfloat16 where
+the CPU computes bfloat16 natively, else float32), loading weights, sizing the KV cache and
+`max_model_len` (`kv_budget`), choosing the attention backend, and composing the `ModelRunner`.
+Must not: write anything back into `EngineConfig`; what it resolves is reported as the runner's
+`RunnerInfo`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep
-from loopserve.runner.kv_budget import check_one_request_fits, num_kv_pages
+from loopserve.runner.kv_budget import num_kv_pages, resolve_max_model_len
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.prefill import PromptRunner
 from loopserve.runner.swap import HostSwap
@@ -54,14 +56,32 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def auto_dtype(device: torch.device, weights_dtype: str | None) -> str:
+    """What `dtype="auto"` runs in: bfloat16 on CUDA; on CPU bfloat16 only for a bfloat16
+    checkpoint on a CPU with native bfloat16 arithmetic (elsewhere bfloat16 matmuls are emulated
+    and far slower than float32), else float32."""
+    if device.type == "cuda":
+        return "bfloat16"
+    if weights_dtype == "bfloat16" and _cpu_has_native_bfloat16():
+        return "bfloat16"
+    return "float32"
+
+
+def _cpu_has_native_bfloat16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> OuroForCausalLM:
     """Weights on the device, projections fused, and the layer ops chosen for the device."""
+    model_config = OuroConfig.from_file(model_dir / "config.json")
     dtype_name = config.dtype
     if dtype_name == "auto":
-        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+        dtype_name = auto_dtype(device, model_config.weights_dtype)
     dtype = resolve_dtype(dtype_name)
     if config.load_format is LoadFormat.DUMMY:
-        model_config = OuroConfig.from_file(model_dir / "config.json")
         model = dummy_model(model_config, dtype, device, seed=config.seed)
     else:
         model = load_checkpoint(model_dir, dtype, device)
@@ -82,12 +102,6 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
         model_dir = resolve_model_dir(config.model)
         model = load_model(config, model_dir, device)
     model_config = model.config
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-            f"({model_config.max_position_embeddings})"
-        )
     scheduler = config.scheduler
     bytes_per_page = KVStorage.bytes_per_page(
         model_config.num_hidden_layers,
@@ -97,8 +111,7 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
         model.dtype,
     )
     num_pages = num_kv_pages(config, model, bytes_per_page, device)
-    if config.num_kv_pages is None:
-        check_one_request_fits(config, model_config, num_pages, max_model_len)
+    max_model_len = resolve_max_model_len(config, model_config, num_pages)
     spec = _attention_spec(config, model, device)
     choice = select_backend(config.attention_backend, spec)
     backend = choice.backend(spec)

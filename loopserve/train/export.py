@@ -1,7 +1,8 @@
 """Writing a trained tiny model as an HF-layout Ouro checkpoint directory.
 
 Owns: the files of a trained checkpoint: config.json, generation_config.json, model.safetensors
-(through `write_checkpoint`), tokenizer.json and training_info.json (how it was trained). Must
+(through `write_checkpoint`), tokenizer.json, chat_template.jinja and training_info.json (how it
+was trained). Must
 not: overwrite a non-empty directory unless asked to, or write anything the loader cannot read.
 """
 
@@ -17,7 +18,7 @@ from tokenizers import Tokenizer
 from loopserve.models.checkpoint_writer import write_checkpoint
 from loopserve.models.loader import expected_tensors
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.train.tokenizer_training import save_tokenizer
+from loopserve.train.tokenizer_training import save_chat_template, save_tokenizer
 
 # The files this module writes; a directory holding only these may be overwritten.
 CHECKPOINT_FILES = (
@@ -25,6 +26,7 @@ CHECKPOINT_FILES = (
     "generation_config.json",
     "model.safetensors",
     "tokenizer.json",
+    "chat_template.jinja",
     "training_info.json",
 )
 
@@ -60,5 +62,6 @@ def export_checkpoint(
     }
     write_checkpoint(directory, model.config, tensors)
     save_tokenizer(tokenizer, directory)
+    save_chat_template(directory)
     (directory / "training_info.json").write_text(json.dumps(info, indent=1) + "\n")
     return directory

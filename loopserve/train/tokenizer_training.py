@@ -1,8 +1,8 @@
 """Training the byte-level BPE tokenizer of the tiny model (the `tokenizers` library).
 
 Owns: the tokenizer's design (byte-level pre-tokenizer and decoder, one special token that is
-both bos and eos, like Ouro's id 0) and training it on the corpus. Must not: import torch, or
-know about the model beyond the vocabulary size it is asked for.
+both bos and eos, like Ouro's id 0), its chat template, and training it on the corpus. Must not:
+import torch, or know about the model beyond the vocabulary size it is asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +16,19 @@ from loopserve.data.corpus import CorpusFile
 
 # The only special token; id 0, ends every document and is the model's bos and eos.
 END_OF_TEXT = "<|endoftext|>"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The model learned Python source, not conversations, so a chat is written the way its corpus
+# writes prose: each message as a comment line ("# user: ..."); the assistant's turn starts after
+# an empty line, where the model writes code. There is no end-of-turn token; answers end at eos or
+# max_tokens.
+CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+{{- '# ' + message['role'] + ': ' + message['content'] | replace('\\n', '\\n# ') + '\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '\\n' -}}
+{%- endif -%}
+"""
 
 
 def _texts(files: list[CorpusFile]) -> Iterator[str]:
@@ -47,4 +60,11 @@ def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tokenizer.json"
     tokenizer.save(str(path))
+    return path
+
+
+def save_chat_template(directory: Path) -> Path:
+    """The tiny model's chat template as chat_template.jinja (how transformers saves it)."""
+    path = directory / CHAT_TEMPLATE_FILE
+    path.write_text(CHAT_TEMPLATE)
     return path

@@ -104,3 +104,19 @@ def test_summary_ratios_and_issue3_targets() -> None:
     assert targets[1].startswith("- **met** C=32 trace d2.6 refill")
     assert targets[2].startswith("- **met** C=1 graphs ≥ 2.5× eager")
     assert targets[3].startswith("- **missed** TTFT of one 1024-token prompt")
+
+
+def test_two_layouts_get_their_own_rows_and_ratios() -> None:
+    """`--kv-layout full,shared`: each row and each ratio names its layout, none is duplicated."""
+    results = [
+        _result(Variant(exits, "refill", True, layout), 32, (base, base + 1, base + 2))
+        for layout, base in (("full", 100), ("shared", 200))
+        for exits in ("fixed", "d2.6")
+    ]
+    text = summary_markdown(results)
+    table = [line for line in text.splitlines() if line.startswith("| 512/128 | 32 | fixed |")]
+    assert [line.split(" | ")[5] for line in table] == ["full", "shared"]
+    assert "| 512/128 | 32 | refill/graphs/full | 1.00× |" in text
+    assert "| 512/128 | 32 | refill/graphs/shared | 1.00× |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 512/128 |")]
+    assert len(rows) == len(set(rows)) == 4 + 2  # 4 table rows, 2 ratio rows

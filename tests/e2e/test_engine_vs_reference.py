@@ -85,7 +85,8 @@ def run_engine(
             )
         for output in engine.step():
             if output.finished:
-                results[output.request_id] = (output.token_ids, output.exit_depths)
+                sequence = output.outputs[0]
+                results[output.request_id] = (sequence.token_ids, sequence.exit_depths)
         step += 1
     stats = engine.stats()
     assert stats.kv_pages_used == 0

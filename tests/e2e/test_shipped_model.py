@@ -23,7 +23,7 @@ def test_engine_equals_reference_on_the_builtin_model(kv_layout: str, scheduling
         SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i, exit_threshold=0.5)
         for i in range(len(PROMPTS))
     ]
-    outputs = llm.generate(PROMPTS, params)
+    outputs = [output.outputs[0] for output in llm.generate(PROMPTS, params)]
     reference = SerialReference(llm.engine.runner.model, kv_layout=kv_layout, exit_mode="ouro")
     assert llm.tokenizer is not None
     depths = []

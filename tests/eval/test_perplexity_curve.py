@@ -87,3 +87,11 @@ def test_cli_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "comma-separated numbers" in capsys.readouterr().err
     assert main(["eval", "perplexity", "--model", str(tmp_path / "nothing")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_max_tokens_below_one_window_says_which_flag_to_change(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["eval", "perplexity", "--max-tokens", "64"]) == 2  # the trained window is 512
+    error = capsys.readouterr().err
+    assert "--max-tokens 64 is less than one window of --seq-len 512" in error

@@ -66,7 +66,7 @@ def run(
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = (out.token_ids, out.exit_depths)
+                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].exit_depths)
     assert engine.stats().kv_pages_used == 0
     return [done[i] for i in ids]
 

@@ -47,14 +47,15 @@ def test_greedy_completions_equal_llm_generate(client: Any, llm: Any) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0)
     expected = llm.generate(PROMPTS, params)
     body = {"max_tokens": 12, "temperature": 0, "extra_body": {"return_token_ids": True}}
-    for prompt, reference in zip(PROMPTS, expected, strict=True):
+    for prompt, request in zip(PROMPTS, expected, strict=True):
+        reference = request.outputs[0]
         response = client.completions.create(model="tiny", prompt=prompt, **body)
         choice = response.choices[0]
         assert choice.token_ids == reference.token_ids
         assert choice.text == reference.text
         assert choice.exit_depths == reference.exit_depths
         assert choice.finish_reason == reference.finish_reason
-        assert choice.prompt_token_ids == reference.prompt_token_ids
+        assert choice.prompt_token_ids == request.prompt_token_ids
         streamed = _streamed_completion(client, prompt=prompt, **body)
         assert streamed[:3] == (reference.text, reference.token_ids, reference.exit_depths)
 
@@ -63,7 +64,8 @@ def test_greedy_chat_equals_llm_generate(client: Any, llm: Any) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     rendered = "<|system|>Be brief.\n<|user|>Hi!\n<|assistant|>"
     prompt_ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
-    reference = llm.generate([prompt_ids], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    reference = llm.generate([prompt_ids], params)[0].outputs[0]
     response = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=10, temperature=0
     )

@@ -76,3 +76,11 @@ def test_the_gate_saves_depth_cheaply(held_out_points: dict[str, CurvePoint]) ->
     assert best.mean_depth <= 3.6, best
     shares = [count / best.tokens for count in best.depth_histogram]
     assert sum(share >= 0.1 for share in shares) >= 2, shares  # a real spread of exit depths
+
+
+def test_the_shipped_chat_template_is_the_one_training_writes() -> None:
+    from loopserve.train.tokenizer_training import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE
+
+    assert (BUILTIN_MODEL_DIR / CHAT_TEMPLATE_FILE).read_text() == CHAT_TEMPLATE
+    tokenizer = Tokenizer.from_directory(BUILTIN_MODEL_DIR)
+    assert tokenizer is not None and tokenizer.chat_template == CHAT_TEMPLATE

@@ -46,6 +46,7 @@ def test_the_loss_goes_down(small_run: Path) -> None:
 def test_the_checkpoint_loads_with_its_tokenizer(small_run: Path) -> None:
     files = sorted(path.name for path in small_run.iterdir())
     assert files == [
+        "chat_template.jinja",
         "config.json",
         "generation_config.json",
         "model.safetensors",

@@ -120,7 +120,7 @@ class StubRunner:
 engine = Engine(EngineConfig(), runner=StubRunner())
 engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
 (output,) = engine.step()
-assert output.finished and output.token_ids == [7], output
+assert output.finished and output.outputs[0].token_ids == [7], output
 print(",".join(m for m in ("torch", "loopserve.runner") if m in sys.modules))
 """
 

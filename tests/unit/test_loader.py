@@ -109,3 +109,28 @@ def test_unsupported_config_fails_before_weights(tmp_path: Path) -> None:
     (directory / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="rope_scaling"):
         load_checkpoint(directory, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_config_declares_the_dtype_the_tensors_have(tmp_path: Path, dtype: torch.dtype) -> None:
+    tensors = random_state_dict(TINY_CONFIG, seed=3, dtype=dtype)
+    directory = write_checkpoint(tmp_path, TINY_CONFIG, tensors)
+    declared = json.loads((directory / "config.json").read_text())["torch_dtype"]
+    assert declared == str(dtype).removeprefix("torch.")
+    assert load_checkpoint(directory, torch.float32, "cpu").config.weights_dtype == declared
+
+
+def test_a_config_that_misstates_the_weights_dtype_is_refused(tmp_path: Path) -> None:
+    directory, _ = written(tmp_path)  # bf16 tensors
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"torch_dtype": "float32"}))
+    with pytest.raises(CheckpointError, match=r"is BF16, but config.json declares .*'float32'"):
+        load_checkpoint(directory, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 40_000])
+def test_every_file_gets_the_same_permissions(tmp_path: Path, max_shard_bytes: int | None) -> None:
+    directory, _ = written(tmp_path, max_shard_bytes=max_shard_bytes)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in directory.iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert len(set(modes.values())) == 1, modes

@@ -80,8 +80,8 @@ def test_row_loops_executed_equal_the_traced_depths(scheduling: str, layout: str
     for index in range(5):  # no explicit depths: the seeded d2.6 distribution
         engine.add_request(prompt(3 + 7 * index), params(9), request_id=f"r{index}")
     done = run_to_completion(engine)
-    traced = [depth for output in done.values() for depth in output.exit_depths[1:]]
-    assert all(len(output.exit_depths) == 9 for output in done.values())
+    traced = [depth for output in done.values() for depth in output.outputs[0].exit_depths[1:]]
+    assert all(len(output.outputs[0].exit_depths) == 9 for output in done.values())
     stats = engine.stats()
     assert sum(stats.row_loops_by_loop.values()) == sum(traced)
     assert len(set(traced)) > 1
@@ -97,11 +97,11 @@ def test_the_gate_decides_exits_in_both_ouro_modes(mode: str, depth: int) -> Non
     engine.add_request(prompt(), params(4, exit_threshold=0.5, min_loops=3), request_id="m")
     engine.add_request(prompt(), params(4, exit_threshold=1.0), request_id="fixed")
     done = run_to_completion(engine)
-    assert done["g"].exit_depths == [4, depth, depth, depth]
+    assert done["g"].outputs[0].exit_depths == [4, depth, depth, depth]
     # With min_loops 3 the test after loop 2 does not count; loop 3's hazard is 0, so the CDF
     # (already 1 after loop 2) holds at loop 3: `ouro` exits there, `ouro_delayed` at loop 4.
-    assert done["m"].exit_depths == [4, depth + 1, depth + 1, depth + 1]
-    assert done["fixed"].exit_depths == [4, 4, 4, 4]
+    assert done["m"].outputs[0].exit_depths == [4, depth + 1, depth + 1, depth + 1]
+    assert done["fixed"].outputs[0].exit_depths == [4, 4, 4, 4]
 
 
 def kv_marker(engine: Engine, runner: RecordingRunner, slot: int, plane: int, position: int) -> int:
@@ -173,7 +173,7 @@ def test_abort_frees_everything() -> None:
         engine.step()
     assert engine.stats().kv_pages_used > 0
     aborted = engine.abort("A")
-    assert aborted is not None and aborted.finish_reason == "abort"
+    assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
     assert engine.abort("nonexistent") is None
     engine.abort("B")
     engine.kv.check_invariants()
@@ -212,10 +212,13 @@ def test_the_step_stops_on_stop_ids_and_max_tokens_like_the_host() -> None:
     engine.add_request(prompt(5), params(2), request_id="length")
     engine.add_request(prompt(5), params(6, ignore_eos=True), request_id="ignore")
     done = run_to_completion(engine)
-    assert (done["eos"].token_ids, done["eos"].finish_reason) == ([6, 7, 8, 9], "stop")
-    assert (done["stop"].token_ids, done["stop"].stop_reason) == ([6, 7, 8], 8)
-    assert (done["length"].token_ids, done["length"].finish_reason) == ([6, 7], "length")
-    assert done["ignore"].token_ids == [6, 7, 8, 9, 10, 11]
+    eos, stop, length, ignore = (
+        done[name].outputs[0] for name in ("eos", "stop", "length", "ignore")
+    )
+    assert (eos.token_ids, eos.finish_reason) == ([6, 7, 8, 9], "stop")
+    assert (stop.token_ids, stop.stop_reason) == ([6, 7, 8], 8)
+    assert (length.token_ids, length.finish_reason) == ([6, 7], "length")
+    assert ignore.token_ids == [6, 7, 8, 9, 10, 11]
 
 
 def test_the_fake_model_reaches_the_real_kv_cache() -> None:

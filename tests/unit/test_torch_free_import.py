@@ -18,6 +18,8 @@ TORCH_FREE_MODULES = [
     "loopserve.engine.detokenizer",
     "loopserve.models.ouro_config",
     "loopserve.models.builtin",
+    "loopserve.models.generation_config",
+    "loopserve.engine.end_of_sequence",
 ]
 OPTIONAL = ["torch", "triton", "flashinfer", "fastapi", "uvicorn", "matplotlib"]
 

@@ -144,13 +144,19 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_directory(model_dir)
     if tokenizer is None:
         raise ValueError(f"{model_dir} has no tokenizer.json; perplexity needs one")
-    model = load_checkpoint(model_dir, resolve_dtype(args.dtype), torch.device(args.device))
     trained = _training_info(model_dir)
+    seq_len = args.seq_len or trained.get("seq_len", 512)
+    if args.max_tokens and args.max_tokens < seq_len:
+        raise ValueError(
+            f"--max-tokens {args.max_tokens} is less than one window of --seq-len {seq_len} "
+            "predicted tokens; raise --max-tokens (0: all) or lower --seq-len"
+        )
+    model = load_checkpoint(model_dir, resolve_dtype(args.dtype), torch.device(args.device))
     separator = model.config.bos_token_id
     windows = held_out_windows(
         tokenizer,
         separator if separator is not None else model.config.eos_token_ids[0],
-        seq_len=args.seq_len or trained.get("seq_len", 512),
+        seq_len=seq_len,
         max_tokens=args.max_tokens or None,
         corpus_root=args.corpus_root,
         held_out_fraction=args.held_out_fraction or trained.get("held_out_fraction", 0.05),
@@ -272,10 +278,10 @@ def _llm_generate_fn(model: str | None, decoding: Decoding) -> GenerateFn:
     )  # fmt: skip
 
     def generate(prompts: list[str]) -> list[Completion]:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        sequences = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=False)]
         return [
-            Completion(o.text, len(o.token_ids), o.mean_exit_depth, o.finish_reason)
-            for o in outputs
+            Completion(out.text, len(out.token_ids), out.mean_exit_depth, out.finish_reason)
+            for out in sequences
         ]
 
     return generate

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give at least one --prompt, --prompt-ids or --prompts-file")
     params = sampling_params(args)
     llm = LLM(args.model, **engine_options(args))
-    outputs = llm.generate(prompts, params)
+    outputs = [request.outputs[0] for request in llm.generate(prompts, params)]
     for prompt, output in zip(prompts, outputs, strict=True):
         if args.json:
             record: dict[str, object] = {

@@ -1,23 +1,35 @@
 """Chat templates: messages -> prompt text, with the checkpoint's Jinja template (HF conventions).
 
-Owns: choosing the template (a server override, else `chat_template` from tokenizer_config.json),
-compiling it once in jinja2's immutable sandbox, and rendering it with the variables HF templates
-expect (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`,
-`strftime_now`, the `tojson` filter). Must not: tokenize (serving code does), or run templates
-outside the sandbox.
+Owns: choosing the template (an override, else the tokenizer's: `chat_template.jinja` or
+tokenizer_config.json's `chat_template`), compiling it once in jinja2's immutable sandbox, and
+rendering it with the variables HF templates expect (`messages`, `add_generation_prompt`,
+`bos_token`, `eos_token`, `raise_exception`, `strftime_now`, the `tojson` filter) plus the
+caller's `chat_template_kwargs` (e.g. `enable_thinking` for Ouro's Thinking templates), as
+`apply_chat_template` passes them. Used by the server and by `LLM.chat`, so it needs jinja2 but
+nothing of the server. Must not: tokenize (callers do), or run templates outside the sandbox.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from loopserve.entrypoints.openai.errors import bad_request
 from loopserve.tokenizer import Tokenizer
+
+# Template variables that the renderer sets itself; chat_template_kwargs may not replace them.
+RESERVED_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+    | {"strftime_now"}
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the messages, or the kwargs are not allowed; the caller's fault."""
 
 
 class ChatTemplate:
@@ -35,44 +47,50 @@ class ChatTemplate:
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The prompt text; a 400 OpenAIError when the template refuses the messages."""
+    def render(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text.
+
+        Args:
+            messages: `{"role", "content"[, "name"]}` dicts, in order.
+            add_generation_prompt: end with the header of the assistant's turn.
+            template_kwargs: extra template variables (`chat_template_kwargs`).
+        Raises:
+            ChatTemplateError: the template refused the messages, or a kwarg names a variable the
+                renderer sets.
+        """
+        extra = dict(template_kwargs or {})
+        reserved = sorted(RESERVED_VARIABLES & extra.keys())
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {reserved}")
         try:
             return self._template.render(
+                **extra,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
             )
         except TemplateError as error:
-            message = f"the chat template rejected the messages: {error}"
-            raise bad_request(message, "messages") from None
+            raise ChatTemplateError(f"the chat template rejected the messages: {error}") from None
 
 
 def load_chat_template(override: str | None, tokenizer: Tokenizer | None) -> ChatTemplate | None:
-    """The server's chat template: `override` (template text) or the checkpoint's; None if neither.
+    """The chat template: `override` (template text) or the tokenizer's; None if neither.
 
     Raises:
-        ValueError: the template does not compile, or the checkpoint's entry is malformed.
+        ValueError: the template does not compile.
     """
     bos = tokenizer.bos_token if tokenizer is not None else None
     eos = tokenizer.eos_token if tokenizer is not None else None
     source = override
     if source is None and tokenizer is not None:
-        source = _default_template(tokenizer.chat_template)
+        source = tokenizer.chat_template
     return None if source is None else ChatTemplate(source, bos, eos)
-
-
-def _default_template(entry: Any) -> str | None:
-    """tokenizer_config.json's `chat_template`: a string, or a list of {name, template}."""
-    if entry is None or isinstance(entry, str):
-        return entry
-    if isinstance(entry, list):
-        named = {item.get("name"): item.get("template") for item in entry if isinstance(item, dict)}
-        template = named.get("default")
-        if isinstance(template, str):
-            return template
-    raise ValueError("tokenizer_config.json: chat_template must be a string or have a 'default'")
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:

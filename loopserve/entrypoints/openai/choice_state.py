@@ -38,9 +38,9 @@ class ChoiceState:
 
     def take_delta(self) -> ChoiceDelta | None:
         """What to send now, or None while no new text is visible and the choice runs on."""
-        output = self._latest
-        if output is None or self._done:
+        if self._latest is None or self._done:
             return None
+        output = self._latest.outputs[0]
         text_end = len(output.text)
         if not output.finished:
             text_end = max(self._num_chars_sent, text_end - self._holdback)

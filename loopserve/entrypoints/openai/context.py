@@ -24,6 +24,7 @@ from loopserve.entrypoints.openai.errors import OpenAIError
 from loopserve.entrypoints.openai.limits import RequestLimits
 from loopserve.entrypoints.openai.logprobs import LogprobFormatter
 from loopserve.entrypoints.openai.metrics import ServerMetrics
+from loopserve.models.generation_config import SamplingDefaults
 from loopserve.tokenizer import Tokenizer
 
 _Result = TypeVar("_Result")
@@ -38,6 +39,7 @@ class ModelInfo:
     eos_token_ids: frozenset[int]  # a request that does not ignore EOS stops on these
     max_stop_token_ids: int  # end-of-sequence plus stop token ids one request may have
     root: str  # the checkpoint directory
+    sampling_defaults: SamplingDefaults  # for request fields left unset (generation_config.json)
 
     @classmethod
     def of(cls, engine: Engine) -> ModelInfo:
@@ -50,6 +52,7 @@ class ModelInfo:
             eos_token_ids=frozenset(engine.eos_token_ids),
             max_stop_token_ids=engine.info.max_stop_token_ids,
             root=str(engine.config.model) if engine.config.model is not None else "built-in",
+            sampling_defaults=engine.sampling_defaults,
         )
 
 

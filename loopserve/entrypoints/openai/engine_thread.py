@@ -187,7 +187,7 @@ class EngineThread:
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._metrics.observe((output, len(output.new_token_ids)) for output in outputs)
+        self._metrics.observe((output, len(output.outputs[0].new_token_ids)) for output in outputs)
         batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]] = []
         for output in outputs:
             if output.finished:

@@ -66,7 +66,7 @@ class Generation:
         async for batch in self.batches():
             for output in batch:
                 final[output.request_id] = output
-        if any(output.finish_reason == "abort" for output in final.values()):
+        if any(output.outputs[0].finish_reason == "abort" for output in final.values()):
             message = "the request was aborted: the server is shutting down"
             raise OpenAIError(503, message, error_type="server_error")
         return final

@@ -75,10 +75,11 @@ class ServerMetrics:
             for output, num_new in outputs:
                 self._observe_one(output, num_new)
 
-    def _observe_one(self, output: RequestOutput, num_new: int) -> None:
+    def _observe_one(self, request: RequestOutput, num_new: int) -> None:
+        output = request.outputs[0]
         for depth in output.exit_depths[len(output.exit_depths) - num_new :]:
             self.exit_depth.observe(depth)
-        times = output.metrics
+        times = request.metrics
         if num_new and len(output.token_ids) == num_new and times.first_token_time is not None:
             self.time_to_first_token.observe(times.first_token_time - times.arrival_time)
         if not output.finished:

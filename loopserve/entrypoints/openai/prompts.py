@@ -2,9 +2,11 @@
 
 Owns: tokenizing prompts (run off the event loop; a text's size is checked first, token ids are
 checked against the vocabulary and the context before anything decodes them), the context-length
-check and the default `max_tokens` (what is left of the context, as in vLLM), `n` fan-out with
-per-choice seeds (`seed + choice`, as in vLLM), and the `SamplingParams` of each choice. Must not:
-talk to the engine or format responses.
+check and the default `max_tokens` (the checkpoint's `max_new_tokens` if it sets one, within what
+is left of the context, else what is left, as in vLLM), `n` fan-out with per-choice seeds
+(`seed + choice`, as in vLLM), and the `SamplingParams` of each choice (fields the request leaves
+unset take the checkpoint's generation_config.json defaults). Must not: talk to the engine or
+format responses.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from loopserve.entrypoints.openai.engine_thread import EngineRequest
 from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
 from loopserve.entrypoints.openai.limits import RequestLimits
 from loopserve.entrypoints.openai.protocol import GenerationFields, PromptInput, field_named_in
+from loopserve.models.generation_config import SamplingDefaults
 from loopserve.sampling_params import SamplingParams
 
 
@@ -101,15 +104,20 @@ def plan_choices(
     request: GenerationFields,
     options: ChoiceOptions,
     max_model_len: int,
+    defaults: SamplingDefaults | None = None,
 ) -> list[ChoicePlan]:
     """One engine request per (prompt, choice); choice `index` = prompt_index * n + choice
-    (the number of choices was checked against the server's limit before tokenizing)."""
+    (the number of choices was checked against the server's limit before tokenizing).
+    `defaults`: the checkpoint's sampling defaults for the fields the request leaves unset."""
+    defaults = defaults or SamplingDefaults()
     plans = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = output_budget(len(prompt.token_ids), options, max_model_len)
+        if options.max_tokens is None and defaults.max_tokens is not None:
+            max_tokens = min(max_tokens, defaults.max_tokens)
         for choice in range(request.n):
             seed = None if request.seed is None else request.seed + choice
-            params = sampling_params(request, max_tokens, options.logprobs, seed)
+            params = sampling_params(request, max_tokens, options.logprobs, seed, defaults)
             index = prompt_index * request.n + choice
             engine_request = EngineRequest(f"{base_id}-{index}", prompt.token_ids, params)
             plans.append(ChoicePlan(index, prompt_index, prompt, engine_request))
@@ -143,16 +151,23 @@ def output_budget(num_prompt_tokens: int, options: ChoiceOptions, max_model_len:
 
 
 def sampling_params(
-    request: GenerationFields, max_tokens: int, logprobs: int | None, seed: int | None
+    request: GenerationFields,
+    max_tokens: int,
+    logprobs: int | None,
+    seed: int | None,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
-    """The engine's params for one choice; a 400 OpenAIError when they are invalid."""
+    """The engine's params for one choice; a 400 OpenAIError when they are invalid. Sampling
+    fields the request leaves unset take `defaults`, then SamplingParams' own."""
+    fields = (defaults or SamplingDefaults()).overrides()
+    fields.pop("max_tokens", None)  # the budget is settled by the caller
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        if getattr(request, name) is not None:
+            fields[name] = getattr(request, name)
     try:
         return SamplingParams(
+            **fields,
             max_tokens=max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            min_p=request.min_p,
             seed=seed,
             ignore_eos=request.ignore_eos,
             stop_token_ids=tuple(request.stop_token_ids),

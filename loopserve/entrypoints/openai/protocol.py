@@ -8,8 +8,10 @@ prompts are checked without trying each form item by item, so a long bad list co
 good one. Must not: know about the engine (serving code turns these into `SamplingParams`).
 
 Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, `return_token_ids` (as in vLLM), and the loop depth of each generated
-token: `min_loops`, `max_loops`, `exit_threshold`. Unknown fields are ignored, as in vLLM.
+`skip_special_tokens`, `return_token_ids`, `chat_template_kwargs` (as in vLLM), and the loop depth
+of each generated token: `min_loops`, `max_loops`, `exit_threshold`. Unknown fields are ignored, as
+in vLLM. Sampling fields left unset (None) take the checkpoint's generation_config.json defaults,
+then `SamplingParams`' (serving code fills them).
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ class GenerationFields(_Model):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    # None: the checkpoint's generation_config.json default, else SamplingParams'.
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | Annotated[list[str], Field(fail_fast=True)] | None = None
     n: int = Field(default=1, ge=1)
@@ -164,6 +167,8 @@ class ChatCompletionRequest(GenerationFields):
     # Alternatives per token (at most --max-logprobs).
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    # Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": true}.
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = None
     response_format: dict[str, Any] | None = None
 

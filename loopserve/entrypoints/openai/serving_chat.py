@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from loopserve.entrypoints.openai.body import parse_json_body, read_body
+from loopserve.entrypoints.openai.chat_template import ChatTemplateError
 from loopserve.entrypoints.openai.choice_state import ChoiceDelta
 from loopserve.entrypoints.openai.context import ServingContext
 from loopserve.entrypoints.openai.errors import bad_request
@@ -78,7 +79,14 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
     limits.check_logprobs(chat.num_logprobs, "top_logprobs")
     prompt = _chat_prompt(chat, context)
     options = ChoiceOptions(chat.output_limit, chat.num_logprobs, "messages")
-    plans = plan_choices(identity.id, [prompt], chat, options, context.model.max_model_len)
+    plans = plan_choices(
+        identity.id,
+        [prompt],
+        chat,
+        options,
+        context.model.max_model_len,
+        context.model.sampling_defaults,
+    )
     return _Prepared(identity, chat, plans)
 
 
@@ -92,7 +100,13 @@ def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> Prompt
         )
     messages = [_message_dict(item.role, item.text(), item.name) for item in chat.messages]
     context.limits.check_prompt_bytes("".join(item["content"] for item in messages), "messages")
-    text = context.chat_template.render(messages, chat.add_generation_prompt)
+    try:
+        text = context.chat_template.render(
+            messages, chat.add_generation_prompt, chat.chat_template_kwargs
+        )
+    except ChatTemplateError as error:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(error) else "messages"
+        raise bad_request(str(error), param) from None
     return tokenize_chat_prompt(text, context.model, context.limits)
 
 
@@ -120,7 +134,7 @@ class _ChatWriter:
         with_ids = self._request.return_token_ids
         choices = []
         for plan in self._plans:
-            output = outputs[plan.request.request_id]
+            output = outputs[plan.request.request_id].outputs[0]
             choices.append(
                 ChatChoice(
                     index=plan.index,
@@ -132,7 +146,9 @@ class _ChatWriter:
                     token_ids=output.token_ids if with_ids else None,
                 )
             )
-        num_tokens = sum(len(outputs[plan.request.request_id].token_ids) for plan in self._plans)
+        num_tokens = sum(
+            len(outputs[plan.request.request_id].outputs[0].token_ids) for plan in self._plans
+        )
         response = ChatCompletionResponse(
             id=self._identity.id,
             created=self._identity.created,

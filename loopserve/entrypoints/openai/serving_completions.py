@@ -74,7 +74,14 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
     limits.check_logprobs(completion.logprobs, "logprobs")
     prompts = tokenize_prompts(batch, context.model, limits, keep_text=completion.echo)
     options = ChoiceOptions(completion.max_tokens, completion.logprobs, "prompt")
-    plans = plan_choices(identity.id, prompts, completion, options, context.model.max_model_len)
+    plans = plan_choices(
+        identity.id,
+        prompts,
+        completion,
+        options,
+        context.model.max_model_len,
+        context.model.sampling_defaults,
+    )
     return _Prepared(identity, completion, plans)
 
 
@@ -94,7 +101,7 @@ class _CompletionWriter:
     def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
         choices = []
         for plan in self._plans:
-            output = outputs[plan.request.request_id]
+            output = outputs[plan.request.request_id].outputs[0]
             echo = self._echo(plan)
             delta = ChoiceDelta(
                 text=echo + output.text,
@@ -105,7 +112,9 @@ class _CompletionWriter:
                 stop_reason=output.stop_reason,
             )
             choices.append(self._choice(plan, delta, len(echo))[0])
-        num_tokens = sum(len(outputs[plan.request.request_id].token_ids) for plan in self._plans)
+        num_tokens = sum(
+            len(outputs[plan.request.request_id].outputs[0].token_ids) for plan in self._plans
+        )
         return to_json(self._body(choices, usage(self._plans, num_tokens)))
 
     async def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
