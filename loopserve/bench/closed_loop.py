@@ -55,6 +55,8 @@ class EngineCounters:
     row_loops: int  # decode rows executed, summed over steps
     prefill_tokens: int
     generated_tokens: int
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens admitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +88,14 @@ def make_requests(
     are given and the engine draws them from its trace distribution with each request's seed.
     """
     generator = np.random.default_rng(list(seed))
+    # The shared prefix depends on the first seed alone: the same in every trial and wave.
+    prefix = np.random.default_rng([seed[0], 1, workload.shared_prefix])
+    shared = prefix.integers(0, vocab_size, size=workload.shared_prefix).tolist()
     fixed_depths = (num_loops,) * (workload.output_len - 1) if exits == "fixed" else None
     specs = []
     for _ in range(count):
-        prompt = generator.integers(0, vocab_size, size=workload.prompt_len).tolist()
+        own = workload.prompt_len - len(shared)
+        prompt = shared + generator.integers(0, vocab_size, size=own).tolist()
         params = SamplingParams(
             max_tokens=workload.output_len,
             ignore_eos=True,
@@ -168,4 +174,13 @@ def _counters(before: EngineStats, after: EngineStats) -> EngineCounters:
         row_loops=sum(after.row_loops_by_loop.values()) - sum(before.row_loops_by_loop.values()),
         prefill_tokens=after.prefill_tokens - before.prefill_tokens,
         generated_tokens=after.generated_tokens - before.generated_tokens,
+        preemptions=after.num_preemptions - before.num_preemptions,
+        prefix_hit_rate=_rate(
+            after.prefix_hit_tokens - before.prefix_hit_tokens,
+            after.prefix_query_tokens - before.prefix_query_tokens,
+        ),
     )
+
+
+def _rate(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

@@ -77,6 +77,8 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         trace_distribution=D2_6,
         seed=settings.seed,
         cuda_graphs=key.graphs,
+        prefix_caching=key.prefix_caching,
+        kv_allocation=key.kv_allocation,
     )
 
 
@@ -151,7 +153,10 @@ def peak_memory_bytes(device: torch.device) -> int | None:
 
 def _describe(key: EngineKey) -> str:
     graphs = "graphs" if key.graphs else "eager"
-    return f"({graphs}, kv_layout={key.kv_layout}, scheduling={key.scheduling})"
+    return (
+        f"({graphs}, kv_layout={key.kv_layout}, scheduling={key.scheduling}, prefix_caching="
+        f"{'on' if key.prefix_caching else 'off'}, kv_allocation={key.kv_allocation})"
+    )
 
 
 def _say(message: str) -> None:

@@ -51,6 +51,8 @@ FIGURES = (
     "row_loops",
     "lm_head_steps",
     "peak_running",
+    "preemptions",
+    "prefix_hit_rate",
 )
 
 
@@ -113,6 +115,8 @@ def trial_figures(trial: TrialRecord, model: ModelBytes, ceilings: Ceilings) -> 
         "row_loops": counters.row_loops,
         "lm_head_steps": work.lm_head_steps,
         "peak_running": trial.peak_running,
+        "preemptions": counters.preemptions,
+        "prefix_hit_rate": counters.prefix_hit_rate,
     }
     for name in ("ttft", "tpot", "itl"):
         figures[f"{name}_p50_ms"] = percentile(latencies[name], 50)

@@ -25,7 +25,9 @@ from loopserve.bench.records import Record, json_line
 from loopserve.bench.sweep_spec import (
     EXITS,
     GRAPHS,
+    KV_ALLOCATIONS,
     KV_LAYOUTS,
+    ON_OFF,
     SCHEDULINGS,
     RunSpec,
     SpecResult,
@@ -41,7 +43,10 @@ if TYPE_CHECKING:
 
     from loopserve.bench.engine_pool import EngineSettings
 
-SWEEP_FLAGS = ("workload", "concurrency", "exits", "scheduling", "graphs", "trials")
+SWEEP_FLAGS = (
+    "workload", "concurrency", "exits", "scheduling", "graphs", "trials", "prefix_caching",
+    "kv_allocation", "shared_prefix",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +88,15 @@ def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--scheduling", help="comma list of refill, no_refill (default both)")
     group.add_argument("--graphs", help="comma list of on, off (default both; CPU: eager only)")
     group.add_argument("--trials", type=int, help="measured trials per configuration (default 3)")
+    group.add_argument("--prefix-caching", help="comma list of on, off (default on)")
+    group.add_argument(
+        "--kv-allocation", help="comma list of incremental, reserve (default incremental)"
+    )
+    group.add_argument(
+        "--shared-prefix",
+        type=int,
+        help="the first N prompt tokens are the same in every request (default 0)",
+    )
 
 
 def _engine_arguments(group: argparse._ArgumentGroup) -> None:
@@ -145,15 +159,24 @@ def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | N
         )
         return preset.specs, budget
     variants = [
-        Variant(exits, scheduling, graphs == "on", layout)
+        Variant(exits, scheduling, graphs == "on", layout, caching == "on", allocation)
         for exits in parse_list(args.exits or ",".join(EXITS), EXITS, "--exits")
         for scheduling in parse_list(
             args.scheduling or ",".join(SCHEDULINGS), SCHEDULINGS, "--scheduling"
         )
         for graphs in parse_list(args.graphs or ",".join(GRAPHS), GRAPHS, "--graphs")
         for layout in layouts
+        for caching in parse_list(args.prefix_caching or "on", ON_OFF, "--prefix-caching")
+        for allocation in parse_list(
+            args.kv_allocation or "incremental", KV_ALLOCATIONS, "--kv-allocation"
+        )
     ]
-    workloads = [Workload.parse(text) for text in args.workload or ["512/128"]]
+    shared = args.shared_prefix or 0
+    workloads = [
+        replace(Workload.parse(text), shared_prefix=shared) for text in args.workload or ["512/128"]
+    ]
+    if any(not 0 <= shared < workload.prompt_len for workload in workloads):
+        raise ValueError("--shared-prefix must be at least 0 and shorter than every prompt")
     concurrencies = parse_concurrency(args.concurrency or "1,8,32,128")
     trials = 3 if args.trials is None else args.trials
     if trials < 1 or (args.warmup_output_len is not None and args.warmup_output_len < 0):

@@ -32,6 +32,8 @@ PAIRINGS = (
     Pairing("exits", "d2.6", "fixed", "trace d2.6 / fixed depth"),
     Pairing("scheduling", "refill", "no_refill", "refill / no_refill"),
     Pairing("graphs", True, False, "graphs / eager"),
+    Pairing("prefix_caching", True, False, "prefix cache on / off"),
+    Pairing("kv_allocation", "incremental", "reserve", "incremental pages / reserved"),
 )
 
 
@@ -65,26 +67,37 @@ def _number(value: object, digits: int = 1) -> str:
 
 def _table(results: list[SpecResult]) -> list[str]:
     header = (
-        "| workload | C | exits | scheduling | graphs | KV layout | output tok/s [min–max] | "
+        "| workload | C | exits | scheduling | graphs | KV | output tok/s [min–max] | "
         "total tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | floor % | depth | occupancy | "
-        "KV peak/total |"
+        "KV peak/total | preemptions |"
     )
-    lines = [header, "|" + "---|" * 15]
+    lines = [header, "|" + "---|" * 16]
     for result in results:
         variant, point, figures = result.spec.variant, result.spec.point, result.medians
         low, high = result.spread["output_tok_s"]
         floor = figures["floor_ratio"]
         lines.append(
             f"| {point.workload.name} | {point.concurrency} | {variant.exits} | "
-            f"{variant.scheduling} | {'on' if variant.graphs else 'off'} | {variant.kv_layout} | "
+            f"{variant.scheduling} | {'on' if variant.graphs else 'off'} | {_kv(variant)} | "
             f"{_number(figures['output_tok_s'])} [{_number(low)}–{_number(high)}] | "
             f"{_number(figures['total_tok_s'])} | {_number(figures['ttft_p50_ms'])} | "
             f"{_number(figures['tpot_p50_ms'], 2)} | {_number(figures['itl_p50_ms'], 2)} | "
             f"{_number(_percent(floor))} | "
             f"{_number(figures['mean_exit_depth'], 2)} | {_number(figures['occupancy'], 1)} | "
-            f"{_number(figures['kv_pages_peak'], 0)}/{_number(figures['kv_pages_total'], 0)} |"
+            f"{_number(figures['kv_pages_peak'], 0)}/{_number(figures['kv_pages_total'], 0)} | "
+            f"{_number(figures.get('preemptions'), 0)} |"
         )
     return lines
+
+
+def _kv(variant: Variant) -> str:
+    """The KV layout, and the KV settings that differ from the defaults."""
+    parts = [variant.kv_layout]
+    if not variant.prefix_caching:
+        parts.append("no prefix cache")
+    if variant.kv_allocation != "incremental":
+        parts.append(variant.kv_allocation)
+    return ", ".join(parts)
 
 
 def _index(results: list[SpecResult]) -> dict[tuple[Point, Variant], SpecResult]:
@@ -111,11 +124,7 @@ def _ratio_rows(results: list[SpecResult], pairing: Pairing) -> list[str]:
 
 
 def _with(variant: Variant, axis: str, value: str | bool) -> Variant:
-    if axis == "graphs":
-        return replace(variant, graphs=bool(value))
-    if axis == "exits":
-        return replace(variant, exits=str(value))
-    return replace(variant, scheduling=str(value))
+    return replace(variant, **{axis: value})  # type: ignore[arg-type]  # axis names a field
 
 
 def _ratio_row(top: SpecResult, bottom: SpecResult, pairing: Pairing, with_layout: bool) -> str:
@@ -130,7 +139,7 @@ def _ratio_row(top: SpecResult, bottom: SpecResult, pairing: Pairing, with_layou
         if name != pairing.axis
     ]
     if with_layout:
-        others.append(top.spec.variant.kv_layout)
+        others.append(_kv(top.spec.variant))
     point = top.spec.point
     row = f"| {point.workload.name} | {point.concurrency} | {'/'.join(others)} | "
     row += f"{_number(ratio, 2)}× | {beyond_noise(top, bottom)} |"

@@ -16,6 +16,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -128,7 +129,7 @@ class SweepRunner:
         workload = spec.point.workload
         model_config = built.engine.model_config
         return make_requests(
-            Workload(workload.prompt_len, output_len),
+            replace(workload, output_len=output_len),
             count,
             seed=(self.seed, tag, spec.point.concurrency, workload.prompt_len, workload.output_len),
             vocab_size=model_config.vocab_size,

@@ -21,14 +21,18 @@ EXITS = ("fixed", "d2.6")
 SCHEDULINGS = ("refill", "no_refill")
 GRAPHS = ("on", "off")
 KV_LAYOUTS = ("full", "shared")
+ON_OFF = ("on", "off")
+KV_ALLOCATIONS = ("incremental", "reserve")
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Workload:
-    """Random prompts of `prompt_len` tokens, `output_len` generated tokens each (EOS ignored)."""
+    """Random prompts of `prompt_len` tokens, `output_len` generated tokens each (EOS ignored);
+    the first `shared_prefix` prompt tokens are the same in every request (a system prompt)."""
 
     prompt_len: int
     output_len: int
+    shared_prefix: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Workload:
@@ -43,7 +47,8 @@ class Workload:
 
     @property
     def name(self) -> str:
-        return f"{self.prompt_len}/{self.output_len}"
+        shared = f" ({self.shared_prefix} shared)" if self.shared_prefix else ""
+        return f"{self.prompt_len}/{self.output_len}{shared}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,8 @@ class EngineKey:
     graphs: bool
     kv_layout: str
     scheduling: str
+    prefix_caching: bool = True
+    kv_allocation: str = "incremental"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +68,23 @@ class Variant:
     scheduling: str  # "refill" or "no_refill"
     graphs: bool  # CUDA graphs on (only meaningful on CUDA)
     kv_layout: str  # "full" or "shared"
+    prefix_caching: bool = True
+    kv_allocation: str = "incremental"  # or "reserve"
 
     @property
     def engine_key(self) -> EngineKey:
-        return EngineKey(self.graphs, self.kv_layout, self.scheduling)
+        return EngineKey(
+            self.graphs, self.kv_layout, self.scheduling, self.prefix_caching, self.kv_allocation
+        )
 
     def label(self, with_layout: bool = False) -> str:
         parts = [self.exits, self.scheduling, "graphs" if self.graphs else "eager"]
         if with_layout:
             parts.append(self.kv_layout)
+        if not self.prefix_caching:
+            parts.append("no-prefix-cache")
+        if self.kv_allocation != "incremental":
+            parts.append(self.kv_allocation)
         return "/".join(parts)
 
 

@@ -293,6 +293,8 @@ class Engine:
             kv_pages_cached=self.kv.num_cached_pages,
             num_preemptions=scheduler.preemptions,
             prefix_cache_hit_rate=scheduler.prefix_hit_rate,
+            prefix_hit_tokens=scheduler.prefix_hit_tokens,
+            prefix_query_tokens=scheduler.prefix_query_tokens,
         )
 
 

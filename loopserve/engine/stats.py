@@ -57,3 +57,5 @@ class EngineStats:
     generated_tokens: int
     num_preemptions: int
     prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / prompt tokens
+    prefix_hit_tokens: int
+    prefix_query_tokens: int

@@ -81,3 +81,32 @@ def test_time_budget_skips_what_it_cannot_start(tiny_checkpoint: Path, tmp_path:
     skipped = [r for r in records if r["record"] == "skipped"]
     assert len(skipped) == len(records) == 2 * 2 * 2  # C × exits × scheduling (eager on CPU)
     assert {r["reason"] for r in skipped} == {"time budget"}
+
+
+def test_shared_prefixes_with_the_prefix_cache_on_and_off(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    summary, output = tmp_path / "summary.md", tmp_path / "out.jsonl"
+    code = main([
+        "bench", "offline", "--model", str(tiny_checkpoint), "--device", "cpu",
+        "--workload", "40/4", "--shared-prefix", "32", "--prefix-caching", "on,off",
+        "--kv-allocation", "incremental,reserve", "--concurrency", "2", "--exits", "fixed",
+        "--scheduling", "refill", "--trials", "1", "--warmup-output-len", "2",
+        "--num-kv-pages", "200", "--output", str(output), "--summary", str(summary),
+    ])  # fmt: skip
+    assert code == 0
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    by_variant = {
+        (r["config"]["prefix_caching"], r["config"]["kv_allocation"]): r["figures"]
+        for r in records[1:]
+    }
+    assert set(by_variant) == {(c, a) for c in (True, False) for a in ("incremental", "reserve")}
+    for (caching, _), figures in by_variant.items():
+        # Warm-up and trial share one prefix: with the cache on, its 2 full pages are hits.
+        assert (figures["prefix_hit_rate"] == 32 / 40) is caching, figures["prefix_hit_rate"]
+        assert figures["preemptions"] == 0
+    text = summary.read_text()
+    assert (
+        "| 40/4 (32 shared) | 2 | fixed | refill | off | full, no prefix cache, reserve |" in text
+    )
+    assert "### prefix cache on / off" in text and "### incremental pages / reserved" in text

@@ -97,6 +97,7 @@ class FakeEngine:
             kv_pages_free=10, kv_pages_cached=0, steps=0, decode_steps=0,
             mean_rows_per_decode_step=0.0, row_loops_by_loop={}, rows_per_step={},
             prefill_tokens=0, generated_tokens=0, num_preemptions=0, prefix_cache_hit_rate=0.0,
+            prefix_hit_tokens=0, prefix_query_tokens=0,
         )  # fmt: skip
 
 
