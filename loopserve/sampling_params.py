@@ -83,6 +83,11 @@ class SamplingParams:
         "`trace` exit mode: the exit depth of each generated token after the first (the first "
         "always runs max_loops; missing entries run max_loops)",
     )
+    priority: int = _setting(
+        0,
+        "scheduling priority: lower goes first (arrival order within a priority), and a request "
+        "is preempted only for one that ranks higher",
+    )
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.

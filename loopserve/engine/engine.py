@@ -101,7 +101,6 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input.
 
@@ -137,7 +136,7 @@ class Engine:
             params=resolved,
             metrics=RequestMetrics(arrival_time=time.monotonic()),
             prompt=text,
-            priority=priority,
+            priority=params.priority,
         )
         self.scheduler.add(request)
         self._requests[request_id] = request

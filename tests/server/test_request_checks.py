@@ -200,3 +200,13 @@ def test_serve_flags_reach_the_server_config() -> None:
     config = _server_config(build_parser().parse_args(argv))
     for number, (name, _) in enumerate(LIMIT_FLAGS.values(), start=2):
         assert getattr(config, name) in (number, 2000 + number), name
+
+
+def test_priority_reaches_the_sampling_params_and_must_be_an_integer() -> None:
+    from loopserve.entrypoints.openai.prompts import sampling_params
+
+    request = parse_request(CompletionRequest, {"prompt": "x", "priority": -2})
+    assert sampling_params(request, 4, None, None).priority == -2
+    with pytest.raises(OpenAIError) as caught:
+        parse_request(CompletionRequest, {"prompt": "x", "priority": 1.5})
+    assert caught.value.status == 400 and caught.value.param == "priority"

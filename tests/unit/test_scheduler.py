@@ -185,9 +185,9 @@ def test_abort_frees_everything() -> None:
 
 def test_priorities_order_admission() -> None:
     engine, runner = make_engine(max_num_seqs=1)
-    engine.add_request(prompt(), params(1), request_id="late", priority=5)
-    engine.add_request(prompt(), params(1), request_id="urgent", priority=-1)
-    engine.add_request(prompt(), params(1), request_id="normal", priority=0)
+    engine.add_request(prompt(), params(1, priority=5), request_id="late")
+    engine.add_request(prompt(), params(1, priority=-1), request_id="urgent")
+    engine.add_request(prompt(), params(1, priority=0), request_id="normal")
     run_to_completion(engine)
     order = [c.request_id for s in runner.steps for c in s.scheduled.prefill_chunks]
     assert order == ["urgent", "normal", "late"]

@@ -45,7 +45,7 @@ def test_the_lowest_priority_latest_request_is_preempted_and_resumes_intact() ->
     engine.add_request(prompt(30), params(40, trace_depths=(1,) * 39), request_id="old")
     engine.add_request(prompt(30), params(40, trace_depths=(1,) * 39), request_id="new")
     engine.add_request(
-        prompt(30), params(40, trace_depths=(1,) * 39), request_id="vip", priority=-1
+        prompt(30), params(40, trace_depths=(1,) * 39, priority=-1), request_id="vip"
     )
     done = run_to_completion(engine)
     swapped = [move.request_id for step in runner.steps for move in step.scheduled.swap_out]
@@ -53,16 +53,16 @@ def test_the_lowest_priority_latest_request_is_preempted_and_resumes_intact() ->
     assert engine.stats().num_preemptions == len(swapped)
     # The fake model's tokens count up from the prompt: a restored request continues exactly.
     for name in ("old", "new", "vip"):
-        assert done[name].token_ids == list(range(31, 71)), name
-        assert done[name].exit_depths == [4] + [1] * 39
+        assert done[name].outputs[0].token_ids == list(range(31, 71)), name
+        assert done[name].outputs[0].exit_depths == [4] + [1] * 39
 
 
 def test_priorities_never_starve_a_request() -> None:
     """A stream of urgent requests passes a waiting one at most `priority_bypass_limit` times."""
     engine, runner = make_engine(max_num_seqs=1, priority_bypass_limit=3)
-    engine.add_request(prompt(), params(1), request_id="patient", priority=5)
+    engine.add_request(prompt(), params(1, priority=5), request_id="patient")
     for index in range(8):
-        engine.add_request(prompt(), params(1), request_id=f"urgent{index}", priority=0)
+        engine.add_request(prompt(), params(1, priority=0), request_id=f"urgent{index}")
     run_to_completion(engine)
     order = [c.request_id for s in runner.steps for c in s.scheduled.prefill_chunks]
     assert order.index("patient") == 3
@@ -139,9 +139,9 @@ def test_fuzz_pages_balance_and_every_request_ends(
     for index, (kind, prefix, length, max_tokens, priority) in enumerate(actions):
         if kind == "add":
             tokens = PREFIXES[prefix] + [300 + (index * 7 + i) % 200 for i in range(length)]
-            request_params = params(max_tokens, exit_threshold=0.5)
+            request_params = params(max_tokens, exit_threshold=0.5, priority=priority)
             try:
-                engine.add_request(tokens, request_params, f"r{index}", priority=priority)
+                engine.add_request(tokens, request_params, f"r{index}")
             except ValueError:
                 continue  # can never fit in the pool: refused up front, nothing held
             added.append(f"r{index}")

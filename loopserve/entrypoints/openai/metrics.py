@@ -101,12 +101,22 @@ class ServerMetrics:
             ("kv_pages_used", "KV cache pages in use.", stats.kv_pages_used),
             ("kv_pages_free", "KV cache pages free.", stats.kv_pages_free),
             ("kv_pages_total", "Usable KV cache pages.", stats.kv_pages_total),
-        ]
+            ("kv_pages_cached", "Free KV pages still holding a cached prompt block.",
+             stats.kv_pages_cached),
+            ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens.",
+             stats.prefix_cache_hit_rate),
+        ]  # fmt: skip
         counters = [
             ("prompt_tokens_total", "Prompt tokens prefilled.", stats.prefill_tokens),
             ("generation_tokens_total", "Tokens generated.", stats.generated_tokens),
             ("engine_steps_total", "Engine steps run.", stats.steps),
-        ]
+            ("num_preemptions_total", "Requests preempted (KV swapped to host memory).",
+             stats.num_preemptions),
+            ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_query_tokens),
+            ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+             stats.prefix_hit_tokens),
+        ]  # fmt: skip
         lines: list[str] = []
         for name, help_text, value in gauges:
             lines += _sample(f"loopserve:{name}", "gauge", help_text, value)

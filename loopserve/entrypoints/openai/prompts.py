@@ -174,6 +174,7 @@ def sampling_params(
             stop=request.stop_strings,
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            priority=request.priority,
             min_loops=request.min_loops,
             max_loops=request.max_loops,
             exit_threshold=request.exit_threshold,

@@ -8,7 +8,8 @@ prompts are checked without trying each form item by item, so a long bad list co
 good one. Must not: know about the engine (serving code turns these into `SamplingParams`).
 
 Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, `return_token_ids`, `chat_template_kwargs` (as in vLLM), and the loop depth
+`skip_special_tokens`, `return_token_ids`, `chat_template_kwargs`, `priority` (as in vLLM), and
+the loop depth
 of each generated token: `min_loops`, `max_loops`, `exit_threshold`. Unknown fields are ignored, as
 in vLLM. Sampling fields left unset (None) take the checkpoint's generation_config.json defaults,
 then `SamplingParams`' (serving code fills them).
@@ -75,6 +76,8 @@ class GenerationFields(_Model):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    # Scheduling priority (as in vLLM): lower goes first.
+    priority: int = 0
     # Ouro extensions: loop depth of each generated token.
     min_loops: int = 1
     max_loops: int | None = None
