@@ -97,8 +97,11 @@ class RunningServer:
 
 
 @contextmanager
-def serve_in_thread(model: Path, **server_options: Any) -> Iterator[RunningServer]:
-    """Run `loopserve serve` in-process on a free port until the block ends."""
+def serve_in_thread(
+    model: Path, engine: dict[str, Any] | None = None, **server_options: Any
+) -> Iterator[RunningServer]:
+    """Run `loopserve serve` in-process on a free port until the block ends (`engine`: engine
+    options that replace `engine_options()`'s)."""
     import uvicorn
 
     from loopserve.config import EngineConfig
@@ -108,7 +111,8 @@ def serve_in_thread(model: Path, **server_options: Any) -> Iterator[RunningServe
     from loopserve.entrypoints.openai.server import bind_socket, uvicorn_config
 
     config = ServerConfig(served_model_names=("tiny",), log_level="warning", **server_options)
-    app = build_app(Engine(EngineConfig.from_options(model=str(model), **engine_options())), config)
+    options = engine_options() | (engine or {})
+    app = build_app(Engine(EngineConfig.from_options(model=str(model), **options)), config)
     server = uvicorn.Server(uvicorn_config(app, config))
     sock = bind_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
