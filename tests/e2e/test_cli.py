@@ -136,6 +136,18 @@ def test_device_errors_name_the_device(capsys: pytest.CaptureFixture[str]) -> No
     assert "'cuda:1'" in err and "device='cpu'" in err and "--device cpu" in err
 
 
+def test_python_users_are_not_told_to_use_a_flag() -> None:
+    import torch
+
+    from loopserve.entrypoints.llm import LLM
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="device 'cuda' was asked for") as caught:
+        LLM(device="cuda")
+    assert "device='cpu' in Python" in str(caught.value)
+
+
 def test_serve_checks_its_port_before_loading_the_model(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

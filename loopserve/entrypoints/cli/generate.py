@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text (the built-in tiny model when --model is not given)",
         description="Generate completions. Flags mirror SamplingParams and EngineConfig, with "
-        "their defaults (SamplingParams(): 16 tokens, temperature 1; --temperature 0 is greedy).",
+        "their defaults (--temperature 0 is greedy).",
     )
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument(
