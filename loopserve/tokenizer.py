@@ -56,7 +56,10 @@ class Tokenizer:
         return size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the interpreter lock while it works (encode holds it), so a long
+        # prompt tokenized in a server's worker thread does not stall its event loop.
+        (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding.ids
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

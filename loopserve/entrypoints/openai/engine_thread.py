@@ -171,7 +171,9 @@ class EngineThread:
             for request_id in added:
                 self._engine.abort(request_id)
             command.accepted.set_exception(error)
-            if not isinstance(error, ValueError):
+            # add_request touches no device state: an unexpected error fails this request only
+            # (the client gets it), the engine keeps serving the others.
+            if not isinstance(error, Exception):
                 raise
             return
         for request_id in added:
