@@ -24,7 +24,7 @@ DEFAULTS = SamplingDefaults(temperature=0.3, top_p=0.8, top_k=5, min_p=0.02, max
 def _params(body: dict[str, Any], defaults: SamplingDefaults = DEFAULTS) -> Any:
     request = CompletionRequest.model_validate({"prompt": [1, 2, 3], **body})
     options = ChoiceOptions(request.max_tokens, None, "prompt")
-    (plan,) = plan_choices("id", [Prompt([1, 2, 3], None)], request, options, 256, 8, defaults)
+    (plan,) = plan_choices("id", [Prompt([1, 2, 3], None)], request, options, 256, defaults)
     return plan.request.params
 
 

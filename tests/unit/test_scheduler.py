@@ -224,7 +224,8 @@ def test_the_step_stops_on_stop_ids_and_max_tokens_like_the_host() -> None:
 def test_the_fake_model_reaches_the_real_kv_cache() -> None:
     """Guards the KV assertions above: the step really writes through the attention backend."""
     engine, runner = make_engine()
+    keys = runner.runner.decode.kv.key_cache(0)
+    keys.zero_()  # the CPU cache starts uninitialised
     engine.add_request(prompt(3), params(1))
     run_to_completion(engine)
-    keys = runner.runner.decode.kv.key_cache(0)
     assert torch.count_nonzero(keys) > 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
 from loopserve.entrypoints.cli.sampling_args import add_sampling_arguments, sampling_params
+from loopserve.sampling_params import SamplingParams
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,8 +49,10 @@ def run(args: argparse.Namespace) -> int:
         prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("give at least one --prompt, --prompt-ids or --prompts-file")
-    params = sampling_params(args)
+    sampling_params(args, SamplingParams())  # bad flags fail before the model loads
     llm = LLM(args.model, **engine_options(args))
+    # Flags not given take the checkpoint's generation_config.json defaults, as in the server.
+    params = sampling_params(args, llm.get_default_sampling_params())
     outputs = [request.outputs[0] for request in llm.generate(prompts, params)]
     for prompt, output in zip(prompts, outputs, strict=True):
         if args.json:

@@ -34,12 +34,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         _add_flag(group, item, hints[item.name])
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """`SamplingParams` from parsed flags; a ValueError saying which flag is wrong."""
+def sampling_params(args: argparse.Namespace, base: SamplingParams) -> SamplingParams:
+    """`SamplingParams` from parsed flags, `base`'s value for every flag not given (the
+    checkpoint's generation_config.json defaults, say); a ValueError saying which flag is wrong."""
     options = {}
     for item in fields(SamplingParams):
         value = getattr(args, _DEST_PREFIX + item.name)
-        options[item.name] = item.default if value is None and item.default == () else value
+        options[item.name] = getattr(base, item.name) if value is None else value
     try:
         return SamplingParams(**options)
     except (TypeError, ValueError) as error:
@@ -55,20 +56,21 @@ def _add_flag(group: argparse._ArgumentGroup, item: Field[Any], annotation: Any)
     flag = "--" + item.name.replace("_", "-")
     help_text = item.metadata["help"]
     kind, element = _base_type(annotation)
-    options: dict[str, Any] = {"dest": _DEST_PREFIX + item.name, "default": item.default}
+    # None marks a flag not given: `sampling_params` then takes the base's value.
+    options: dict[str, Any] = {"dest": _DEST_PREFIX + item.name, "default": None}
     if kind is not bool:
         options["metavar"] = item.name.upper()
     if kind is bool:
         options["action"] = argparse.BooleanOptionalAction
     elif kind is tuple and element is str:
-        options.update(action="append", default=None, metavar="TEXT")
+        options.update(action="append", metavar="TEXT")
         help_text += "; repeatable"
     elif kind is tuple:
         options.update(type=_int_tuple, metavar="N1,N2,...")
         help_text += "; comma-separated"
     else:
         options["type"] = _finite_float if kind is float else int
-    shown = "" if item.default in (None, ()) else " (default: %(default)s)"
+    shown = "" if item.default in (None, ()) else f" (default: {item.default})"
     group.add_argument(flag, help=help_text + shown, **options)
 
 

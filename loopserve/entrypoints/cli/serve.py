@@ -12,10 +12,10 @@ from pathlib import Path
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
 from loopserve.entrypoints.openai.config import ServerConfig
+from loopserve.models.builtin import BUILTIN_MODEL_NAME
 
 # The environment variable read when --api-key is not given (keeps the key out of `ps`).
 API_KEY_ENV = "LOOPSERVE_API_KEY"
-BUILTIN_MODEL_NAME = "ouro-tiny"
 # Request limits: flag -> (ServerConfig field, help). Each refusal names its flag.
 LIMIT_FLAGS: dict[str, tuple[str, str]] = {
     "--max-concurrent-requests": ("max_concurrent_requests", "completions in flight; more get 429"),
