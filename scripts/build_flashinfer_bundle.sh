@@ -18,8 +18,8 @@ FLASHINFER_VERSION="${FLASHINFER_VERSION:-0.7.2.post1}"
 TVM_FFI_VERSION="${TVM_FFI_VERSION:-0.1.15.post2}"  # flashinfer 0.7.2 needs >=0.1.11,<0.2
 OUT="${OUT:-$PWD/.carry/flashinfer}"
 PYTHON="${PYTHON:-python3}"
-# Kernel sources paged attention does not use (measured: the rest still JITs decode, prefill,
-# FA3 and XQA on an H200).
+# Kernel sources paged attention does not use. Not trimmed: data/cutlass/tools (1 MB), whose
+# util/include holds the cutlass/util headers FA3 prefill includes (via cutlass_utils.cuh).
 TRIM=(
   "flashinfer/data/csrc/cake_*"
   "flashinfer/data/csrc/kda"
@@ -30,7 +30,6 @@ TRIM=(
   "flashinfer/data/cutlass/examples"
   "flashinfer/data/cutlass/python"
   "flashinfer/data/cutlass/test"
-  "flashinfer/data/cutlass/tools"
 )
 
 mkdir -p "$OUT"
