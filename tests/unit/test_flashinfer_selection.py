@@ -8,10 +8,12 @@ import importlib.util
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import loopserve.attention.flashinfer.backend as backend_module
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend, default_decode_kernel
 from loopserve.attention.flashinfer.xqa import SPLIT_VARIABLE, FlashInferXQABackend, fix_kv_splits
@@ -47,6 +49,7 @@ def ouro(**changes: object) -> AttentionSpec:
 @pytest.fixture
 def installed(monkeypatch: pytest.MonkeyPatch) -> fake_flashinfer.Calls:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(backend_module, "jit_compiler_found", lambda: True)
     return fake_flashinfer.install(monkeypatch)
 
 
@@ -204,3 +207,22 @@ def test_xqa_kv_split_is_fixed_in_the_environment(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv(SPLIT_VARIABLE, bad)
         with pytest.raises(ValueError, match="fixed positive KV split"):
             fix_kv_splits()
+
+
+def test_no_jit_compiler_is_a_reason(
+    installed: fake_flashinfer.Calls, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.undo()  # the real lookup, over an environment without nvcc
+    fake_flashinfer.install(monkeypatch)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # no bin/nvcc there
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "flashinfer_jit_cache" else find_spec(name, *a),
+    )
+    reasons = FlashInferFA2Backend.unsupported_reasons(ouro())
+    assert len(reasons) == 1 and "finds no nvcc (set CUDA_HOME)" in reasons[0]
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").touch()
+    assert FlashInferFA2Backend.unsupported_reasons(ouro()) == []

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import shutil
 import sys
 from abc import abstractmethod
 from types import ModuleType
@@ -34,6 +36,21 @@ def flashinfer_installed() -> bool:
     if "flashinfer" in sys.modules:  # imported already (or a test's stand-in)
         return True
     return importlib.util.find_spec("flashinfer") is not None
+
+
+def jit_compiler_found() -> bool:
+    """Whether FlashInfer can build its kernels on first use: with nvcc, looked up as FlashInfer
+    does (`CUDA_HOME` / `CUDA_PATH`, else `nvcc` on PATH, else /usr/local/cuda), or from the
+    prebuilt `flashinfer-jit-cache` package."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return True
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home is None:
+        on_path = shutil.which("nvcc")
+        if on_path is not None:
+            return True
+        home = "/usr/local/cuda"
+    return os.path.exists(os.path.join(home, "bin", "nvcc"))
 
 
 def import_flashinfer() -> ModuleType:
@@ -97,6 +114,11 @@ class FlashInferBackend(AttentionBackend):
     def environment_reasons(cls, spec: AttentionSpec) -> list[str]:
         if not flashinfer_installed():
             return [f"flashinfer is not installed ({INSTALL_HINT})"]
+        if not jit_compiler_found():
+            return [
+                "flashinfer builds its kernels on first use and finds no nvcc (set CUDA_HOME) "
+                "nor the flashinfer-jit-cache package"
+            ]
         return []
 
     # ----- per metadata ----------------------------------------------------------------------
