@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # GPU issue 9 (attention backends) on one H200, in one call: installs the carried FlashInfer
-# bundle into a temporary directory, builds every FlashInfer JIT module the tests and the table
+# bundle into a temporary directory, builds the FlashInfer JIT modules the tests and the table
 # need in one parallel ninja run (in the background, while the Triton GPU tests run), then the
-# FlashInfer kernel tests, the engine tests with each FlashInfer backend (and the existing bf16
-# engine tests, which `auto` now runs on FlashInfer FA2 on SM90), and the per-layer attention
-# table of every backend (decode rows x context: us and TB/s; prompt prefill: us).
+# FlashInfer kernel tests, the engine tests with each FlashInfer backend, and the per-layer
+# attention table of every backend (decode rows x context: us and TB/s; prompt prefill: us).
 #
 # Here (internet):  bash scripts/build_flashinfer_bundle.sh       -> .carry/flashinfer/
 # There:            OUT=/path/to/out bash scripts/gpu_flashinfer.sh   (carry `.carry/flashinfer`)
 # Parts run in this order; PARTS selects (default: all of them), e.g. PARTS="install table":
 #   install   bundle -> temp dir (about 10 s)                      INSTALL_TIMEOUT=60
-#   prebuild  FlashInfer JIT modules, background (about 1-2 min)    PREBUILD_TIMEOUT=240
+#   prebuild  FlashInfer JIT modules, background (2-3 min)          PREBUILD_TIMEOUT=300
 #   triton    pytest -m gpu tests/kernels/test_kernels_gpu.py       TRITON_TIMEOUT=150
 #   kernels   pytest -m gpu tests/kernels/test_flashinfer_gpu.py    KERNELS_TIMEOUT=150
-#   engine    pytest -m gpu tests/gpu (FlashInfer file + bf16/sync) ENGINE_TIMEOUT=150
+#   engine    pytest -m gpu tests/gpu/test_engine_flashinfer_gpu.py ENGINE_TIMEOUT=150
 #   table     python -m loopserve.bench.attention_table $TABLE_ARGS TABLE_TIMEOUT=120
-# Budget: about 6 minutes with the JIT cache empty (each FlashInfer module takes 15-60 s of nvcc;
-# the prebuild overlaps the Triton tests). Every part has its own timeout, so the script ends
-# within about 15 minutes whatever happens; a part that fails does not stop the next ones.
+# By default every FlashInfer module is for head size 128 in bf16 (Ouro's; 5 modules, FA3
+# prefill the slowest to build). EXTENDED=1 adds GQA 4 and 8, head size 64 and fp16 (6 more
+# modules, a few more minutes) and the existing bf16 engine tests (tests/gpu/test_engine_gpu.py,
+# which `auto` now runs on FlashInfer FA2 on SM90).
+# Budget: about 6 minutes with the JIT cache empty (each FlashInfer module takes 15 s to a few
+# minutes of nvcc; the prebuild overlaps the Triton tests). Every part has its own timeout, so the
+# script ends within about 15 minutes whatever happens; a failing part does not stop the others.
 # Writes in $OUT (default ./flashinfer-out): flashinfer.log (everything), prebuild.log,
 # attention_table.jsonl (one JSON line per backend and config), attention_table.md.
 # Exits non-zero if any part failed or timed out.
@@ -28,8 +31,18 @@ PYTHON="${PYTHON:-python3}"
 BUNDLE="${BUNDLE:-$PWD/.carry/flashinfer}"
 PARTS="${PARTS:-install prebuild triton kernels engine table}"
 TABLE_ARGS="${TABLE_ARGS:-}"
-ENGINE_TESTS="${ENGINE_TESTS:-tests/gpu/test_engine_flashinfer_gpu.py tests/gpu/test_engine_gpu.py}"
-ENGINE_FILTER="${ENGINE_FILTER:-not fp32_engine_equals_reference}"  # Triton's fp32 suite: gpu_kernels
+EXTENDED="${EXTENDED:-0}"
+ENGINE_TESTS="tests/gpu/test_engine_flashinfer_gpu.py"
+ENGINE_FILTER="not fp32_engine_equals_reference"  # Triton's fp32 suite (16 engines), no FlashInfer
+KERNELS_FILTER="not extended"
+# The shapes the GPU tests and the table build FlashInfer modules for (heads,kv,dim,dtype,block).
+SHAPES=(16,16,128,bfloat16,16 4,2,128,bfloat16,16)
+if [ "$EXTENDED" = 1 ]; then
+  ENGINE_TESTS="$ENGINE_TESTS tests/gpu/test_engine_gpu.py"
+  KERNELS_FILTER="flashinfer"
+  SHAPES+=(32,8,128,bfloat16,16 32,4,128,bfloat16,16 8,8,64,bfloat16,16 4,2,64,bfloat16,16
+    16,16,128,float16,16)
+fi
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export PATH="$CUDA_HOME/bin:$PATH"
 export PYTHONUNBUFFERED=1
@@ -43,9 +56,6 @@ rm -f "$OUT/attention_table.jsonl"
 status=0
 SITE="${SITE:-$(mktemp -d /tmp/flashinfer-site.XXXX)}"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-# Every shape the GPU tests and the table build FlashInfer modules for (heads,kv,dim,dtype,block).
-SHAPES=(16,16,128,bfloat16,16 4,2,64,bfloat16,16 32,8,128,bfloat16,16 32,4,128,bfloat16,16
-  8,8,64,bfloat16,16 16,16,128,float16,16)
 
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
@@ -88,7 +98,7 @@ if wants prebuild; then
   echo "== prebuild in the background ($(date -u +%H:%M:%S)): $OUT/prebuild.log" | tee -a "$LOG"
   shape_args=()
   for shape in "${SHAPES[@]}"; do shape_args+=(--shape "$shape"); done
-  timeout --signal=INT --kill-after=20 "${PREBUILD_TIMEOUT:-240}" \
+  timeout --signal=INT --kill-after=20 "${PREBUILD_TIMEOUT:-300}" \
     "$PYTHON" -m loopserve.attention.flashinfer.prebuild --both-decode-kernels \
     "${shape_args[@]}" >"$OUT/prebuild.log" 2>&1 &
   prebuild_pid=$!
@@ -106,9 +116,9 @@ if [ -n "$prebuild_pid" ]; then
     | tee -a "$LOG"
 fi
 
-if wants kernels; then step "pytest -m gpu tests/kernels/test_flashinfer_gpu.py" \
+if wants kernels; then step "pytest -m gpu tests/kernels/test_flashinfer_gpu.py -k '$KERNELS_FILTER'" \
   "${KERNELS_TIMEOUT:-150}" "$PYTHON" -m pytest -m gpu tests/kernels/test_flashinfer_gpu.py -q \
-  -rs --durations=10 -p no:cacheprovider; fi
+  -k "$KERNELS_FILTER" -rs --durations=10 -p no:cacheprovider; fi
 
 # shellcheck disable=SC2086  # ENGINE_TESTS is a list of paths
 if wants engine; then step "pytest -m gpu $ENGINE_TESTS -k '$ENGINE_FILTER'" \

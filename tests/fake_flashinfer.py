@@ -216,7 +216,7 @@ def xqa(
     kv_layout: str = "NHD",
     **options: Any,
 ) -> None:
-    calls: Calls = sys.modules[__name__].xqa_calls  # type: ignore[attr-defined]
+    calls: Calls = getattr(sys.modules[__name__], "xqa_calls")  # noqa: B009 - set by install()
     calls.log.append(
         ("xqa", {"splits": os.environ.get("XQA_NB_SUB_SEQ"), "layout": kv_layout, **options})
     )
@@ -265,7 +265,9 @@ class DeviceOnly(torch.Tensor):
     )
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in cls.FORBIDDEN or (func is torch.Tensor.to and _names_cpu(args, kwargs)):
             raise AssertionError(f"host read of a device tensor: {func.__name__}")

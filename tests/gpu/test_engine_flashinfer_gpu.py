@@ -8,7 +8,9 @@ Run on a GPU machine with flashinfer importable: `pytest -m gpu tests/gpu`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,10 +20,11 @@ from loopserve.attention.flashinfer.backend import flashinfer_installed
 from loopserve.attention.registry import BackendUnavailableError
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
+from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoint
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 
-from .test_engine_gpu import checkpoint, mixed_params, prompts, run
+from .test_engine_gpu import GPU_CONFIG, mixed_params, prompts, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,7 +36,19 @@ pytestmark = [
 ]
 BACKENDS = ["flashinfer_fa2", "flashinfer_xqa"]
 NEAR_TIE = 0.1  # nats between the two most likely tokens where bf16 attention noise may flip them
-__all__ = ["checkpoint"]  # the module-scoped checkpoint fixture, shared with test_engine_gpu
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_engine_gpu's model with two heads of 128 (Ouro's head size: the FlashInfer modules
+    the kernel tests build serve it too) sharing one KV head."""
+    config = dataclasses.replace(GPU_CONFIG, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=128)  # fmt: skip
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("gpu-ouro-128"),
+        config,
+        init=RandomInit(gate_scale=4.0, gate_bias=-0.5),
+    )
 
 
 def engine(checkpoint: Path, backend: str, **options: object) -> Engine:
@@ -41,7 +56,7 @@ def engine(checkpoint: Path, backend: str, **options: object) -> Engine:
         EngineConfig.from_options(
             model=str(checkpoint), device="cuda", dtype="bfloat16", exit_mode="ouro",
             attention_backend=backend, max_num_seqs=64, num_kv_pages=8192,
-            **options,  # type: ignore[arg-type]
+            **options,
         )
     )  # fmt: skip
 
@@ -81,40 +96,66 @@ def _first_divergence(expected: RequestOutput, got: RequestOutput) -> tuple[int,
     return None
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_tokens_and_depths_match_triton(checkpoint: Path, backend: str) -> None:
-    """Greedy requests equal Triton's; where bf16 rounding differs, a request may flip at a near
-    tie (its two best tokens within NEAR_TIE nats under Triton) or at an exit decision, after
-    which it diverges for good. Token flips away from a near tie fail; flips are counted."""
-    batch = prompts(24, seed=5)
-    params = [
-        SamplingParams(max_tokens=32, temperature=0.0, exit_threshold=0.6, logprobs=2,
-                       ignore_eos=True)
-        for _ in batch
-    ]  # fmt: skip
-    expected = _outputs(engine(checkpoint, "triton"), batch, params)
-    got = _outputs(engine(checkpoint, backend), batch, params)
-    counts = {"equal": 0, "token near tie": 0, "depth": 0}
-    far = []
+@dataclass
+class Comparison:
+    """Where each request first diverges from Triton's, and why."""
+
+    requests: int = 0
+    tokens: int = 0
+    agreeing_tokens: int = 0  # before each request's first divergence
+    equal: int = 0
+    near_tie_token_flips: int = 0
+    depth_flips: int = 0
+    far_token_flips: list[tuple[int, int, float]] = field(default_factory=list)
+
+
+def _compare(expected: list[RequestOutput], got: list[RequestOutput]) -> Comparison:
+    result = Comparison(requests=len(expected))
     for index, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
+        result.tokens += len(mine.token_ids)
         divergence = _first_divergence(mine, theirs)
         if divergence is None:
-            counts["equal"] += 1
+            result.equal += 1
+            result.agreeing_tokens += len(mine.token_ids)
             continue
         position, kind = divergence
+        result.agreeing_tokens += position
         if kind == "depth":
-            counts["depth"] += 1
+            result.depth_flips += 1
             continue
         assert mine.logprobs is not None
         top = mine.logprobs[position].top
         margin = top[0][1] - top[1][1]
         if margin < NEAR_TIE:
-            counts["token near tie"] += 1
+            result.near_tie_token_flips += 1
         else:
-            far.append((index, position, round(margin, 3)))
-    print(json.dumps({"backend": backend, "requests": len(batch), **counts, "far_flips": far}))
-    assert not far, f"token flips away from a near tie (request, position, margin): {far}"
-    assert counts["equal"] >= len(batch) // 2, counts
+            result.far_token_flips.append((index, position, round(margin, 3)))
+    return result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("exits", ["all_loops", "ouro"])
+def test_bf16_tokens_and_depths_match_triton(checkpoint: Path, backend: str, exits: str) -> None:
+    """Greedy requests against Triton's. bf16 rounding differs between the kernels, so a request
+    may flip where its two best tokens are within NEAR_TIE nats (under Triton) or where an exit
+    decision sits at the threshold, and then diverges for good. A token flip away from a near
+    tie fails; with every loop run (no exit decisions) no depth may flip; the counts are
+    printed. A wrong kernel (pages, lengths, scale) diverges at once, far from any tie."""
+    batch = prompts(24, seed=5)
+    threshold = 1.0 if exits == "all_loops" else 0.6
+    params = [
+        SamplingParams(max_tokens=32, temperature=0.0, exit_threshold=threshold, logprobs=2,
+                       ignore_eos=True)
+        for _ in batch
+    ]  # fmt: skip
+    expected = _outputs(engine(checkpoint, "triton"), batch, params)
+    got = _outputs(engine(checkpoint, backend), batch, params)
+    result = _compare(expected, got)
+    print(json.dumps({"backend": backend, "exits": exits, **asdict(result)}))
+    assert not result.far_token_flips, result
+    if exits == "all_loops":
+        assert result.depth_flips == 0, result
+    assert result.agreeing_tokens >= 0.25 * result.tokens, result
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

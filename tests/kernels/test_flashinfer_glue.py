@@ -8,6 +8,7 @@ kernel. FlashInfer's numerics are tested on a GPU (test_flashinfer_gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -71,7 +72,9 @@ def _backend(variant: str, shape: HeadShape, block_size: int) -> FlashInferBacke
     return FlashInferFA2Backend(spec, decode_kernel=variant.removeprefix("fa2-"))  # type: ignore[arg-type]
 
 
-def _run(backend: FlashInferBackend, batch: Batch, metadata: AttentionMetadata | None = None):  # type: ignore[no-untyped-def]
+def _run(
+    backend: FlashInferBackend, batch: Batch, metadata: AttentionMetadata | None = None
+) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))  # every row must be written
     metadata = metadata or batch.metadata
     backend.forward_into(batch.q, batch.k, batch.v, batch.kv, batch.layer, metadata, out)
@@ -215,7 +218,7 @@ def test_fa2_cuda_core_refuses_a_wrapper_without_its_page_lists(
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper
     original = wrapper.plan
 
-    def plan_elsewhere(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def plan_elsewhere(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         self._paged_kv_indices_buf = self._paged_kv_indices_buf[:1]  # internals changed
 
@@ -243,7 +246,7 @@ def test_prefill_plans_once_per_pass_unsplit_and_checks_the_kernel(
 
     original = flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan
 
-    def substituted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def substituted(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         self._backend = "cudnn"
 
