@@ -47,7 +47,7 @@ DecodeKernel = Literal["cuda_core", "tensor_core"]
 CUDA_CORE_GROUPS = frozenset({1, 2, 3, 4})
 FLOAT_WORKSPACE_BYTES = 16 * 2**20  # shared by every decode plan; unused while unsplit
 INT_WORKSPACE_BYTES = 2**20  # per plan (work lists of at most a few thousand CTAs)
-PLAN_CACHE_CAPACITY = 32
+PLAN_CACHE_CAPACITY = 64  # eager steps plan per exact row count (up to max_num_seqs)
 # FlashInfer's plan info: the CUDA-core decode plan has 10 integers (padded batch size first,
 # split flag last); the tensor-core (prefill-kernel) plan has 15 (split flag last).
 _PLAN_INFO_LENGTH = {False: 10, True: 15}
