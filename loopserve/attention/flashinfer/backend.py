@@ -1,0 +1,211 @@
+"""What the FlashInfer backends share: capability declarations beyond the base class, the lazy
+import, the KV write, and the split of a pass between the decode path and the prefill path.
+
+Owns: `FlashInferBackend`, the base of `flashinfer_fa2` and `flashinfer_xqa`. Must not: import
+flashinfer at module import time, read host lengths on the decode path (it is captured in CUDA
+graphs and runs one step ahead of the host), or fall back to another backend.
+
+A pass whose rows all have one query token (`metadata.is_decode`) goes through the subclass's
+decode path, which reads only device tensors. Any other pass is a prompt pass: it has host
+lengths and goes through `PagedPrefill`, every row included (loopserve never packs decode rows
+with prompt chunks: the decode step is a pass of its own).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import sys
+from abc import abstractmethod
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from loopserve.attention.base import AttentionBackend, AttentionSpec
+from loopserve.attention.flashinfer.prefill import PagedPrefill, PrefillPlan
+from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.storage import KVStorage
+
+INSTALL_HINT = "pip install 'loopserve[flashinfer]'"
+
+
+def flashinfer_installed() -> bool:
+    if "flashinfer" in sys.modules:  # imported already (or a test's stand-in)
+        return True
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def jit_compiler_found() -> bool:
+    """Whether FlashInfer can build its kernels on first use: with nvcc, looked up as FlashInfer
+    does (`CUDA_HOME` / `CUDA_PATH`, else `nvcc` on PATH, else /usr/local/cuda), or from the
+    prebuilt `flashinfer-jit-cache` package."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return True
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home is None:
+        on_path = shutil.which("nvcc")
+        if on_path is not None:
+            return True
+        home = "/usr/local/cuda"
+    return os.path.exists(os.path.join(home, "bin", "nvcc"))
+
+
+def import_flashinfer() -> ModuleType:
+    """flashinfer, imported on first use (about 3 s)."""
+    import flashinfer
+
+    return flashinfer
+
+
+class FlashInferBackend(AttentionBackend):
+    devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.bfloat16, torch.float16})
+    # The head sizes the GPU tests cover (128 always, 64 in the extended run); FlashInfer builds
+    # others, 256 included, on demand, but they are not declared until tested.
+    head_sizes: ClassVar[frozenset[int] | None] = frozenset({64, 128})
+    min_compute_capability = (8, 0)
+    supports_cuda_graphs = True
+    supports_packed_prefill = True
+    # Declarations the base class does not have (checked by `unsupported_reasons` below).
+    block_sizes: ClassVar[frozenset[int] | None] = None  # None: any page size
+    compute_capability_majors: ClassVar[frozenset[int] | None] = None  # None: any >= minimum
+    group_sizes: ClassVar[frozenset[int] | None] = None  # query heads per KV head; None: any
+    # The KV cache holds the model dtype today; an FP8 cache is declared here when it exists.
+    kv_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.bfloat16, torch.float16})
+    # A decode row's bits depend only on its own length and pages, never on the rows beside it,
+    # the plan's row count or its page-width bucket (no KV split, or a fixed one).
+    batch_invariant_decode: ClassVar[bool] = True
+    determinism: ClassVar[str] = ""  # how, in words (subclasses)
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        self._prefill = PagedPrefill(spec, self.prefill_kernel(spec), self.scale)
+        self._metadata: AttentionMetadata | None = None  # what the current plan was made for
+        self._prefill_plan: PrefillPlan | None = None
+
+    @classmethod
+    def prefill_kernel(cls, spec: AttentionSpec) -> str:
+        """FlashInfer's prefill implementation for `spec`: "fa2" unless a subclass knows better."""
+        return "fa2"
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = super().unsupported_reasons(spec)
+        if spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"{spec.num_heads} heads are not a multiple of {spec.num_kv_heads}")
+        elif cls.group_sizes is not None and spec.num_heads // spec.num_kv_heads not in (
+            cls.group_sizes
+        ):
+            group = spec.num_heads // spec.num_kv_heads
+            reasons.append(f"{group} query heads per KV head not in {sorted(cls.group_sizes)}")
+        if cls.block_sizes is not None and spec.block_size not in cls.block_sizes:
+            reasons.append(f"block size {spec.block_size} not in {sorted(cls.block_sizes)}")
+        if spec.dtype not in cls.kv_cache_dtypes:
+            reasons.append(f"a {spec.dtype} KV cache is not supported")
+        majors, capability = cls.compute_capability_majors, spec.compute_capability
+        if spec.device_type == "cuda" and majors and capability and capability[0] not in majors:
+            names = "/SM".join(str(major) for major in sorted(majors))
+            reasons.append(f"compute capability {capability} is not SM{names}x")
+        return reasons
+
+    @classmethod
+    def environment_reasons(cls, spec: AttentionSpec) -> list[str]:
+        if not flashinfer_installed():
+            return [f"flashinfer is not installed ({INSTALL_HINT})"]
+        if not jit_compiler_found():
+            return [
+                "flashinfer builds its kernels on first use and finds no nvcc (set CUDA_HOME) "
+                "nor the flashinfer-jit-cache package"
+            ]
+        return []
+
+    # ----- per metadata ----------------------------------------------------------------------
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        if metadata.is_decode:
+            self._prepare_decode(metadata)
+            self._prefill_plan = None
+        else:
+            self._prefill_plan = self._prefill.plan(metadata)
+        self._metadata = metadata
+
+    @abstractmethod
+    def _prepare_decode(self, metadata: AttentionMetadata) -> None:
+        """Whatever the decode path needs per metadata, from device tensors only."""
+
+    @abstractmethod
+    def _decode(
+        self,
+        q: torch.Tensor,  # [S, Nq, D]
+        key_cache: torch.Tensor,  # [pages, block, Nkv, D]
+        value_cache: torch.Tensor,  # [pages, block, Nkv, D]
+        metadata: AttentionMetadata,
+        out: torch.Tensor,  # [S, Nq, D] contiguous
+    ) -> None:
+        """Decode attention of one query per row into `out`."""
+
+    # ----- per layer -------------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Nq, D]
+        k: torch.Tensor,  # [T, Nkv, D]
+        v: torch.Tensor,  # [T, Nkv, D]
+        kv: KVStorage,
+        layer: int,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Nq, D]
+        self.forward_into(q, k, v, kv, layer, metadata, out)
+        return out
+
+    def forward_into(
+        self,
+        q: torch.Tensor,  # [T, Nq, D]
+        k: torch.Tensor,  # [T, Nkv, D]
+        v: torch.Tensor,  # [T, Nkv, D]
+        kv: KVStorage,
+        layer: int,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,  # [T, Nq, D] contiguous; every row is written
+    ) -> None:
+        """`forward` into a caller-owned output (a static buffer under CUDA graphs, say)."""
+        if self._metadata is not metadata:
+            self.prepare(metadata)
+        key_cache, value_cache = kv.key_cache(layer), kv.value_cache(layer)
+        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        if self._prefill_plan is None:
+            if q.shape[0] != metadata.num_sequences:
+                raise ValueError(
+                    f"decode pass with {q.shape[0]} tokens for {metadata.num_sequences} rows"
+                )
+            self._decode(q, key_cache, value_cache, metadata, out)
+        else:
+            self._prefill.run(self._prefill_plan, q, key_cache, value_cache, out)
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Nkv, D]
+    v: torch.Tensor,  # [T, Nkv, D]
+    key_cache: torch.Tensor,  # [pages, block, Nkv, D]
+    value_cache: torch.Tensor,  # [pages, block, Nkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """This pass's K/V into their slots: the Triton kernel (one launch) where it can run, else
+    two index writes (padding tokens share null-page slots; nothing reads those)."""
+    if key_cache.is_cuda and _triton_installed():
+        from loopserve.kernels.kv_write import write_kv as triton_write_kv
+
+        triton_write_kv(k, v, key_cache, value_cache, slot_mapping)
+        return
+    heads, dim = key_cache.shape[-2:]
+    key_cache.view(-1, heads, dim)[slot_mapping] = k
+    value_cache.view(-1, heads, dim)[slot_mapping] = v
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -1,0 +1,106 @@
+"""The `flashinfer_xqa` backend: FlashInfer's XQA decode kernel (SM90, SM100, SM120) on a bf16 KV
+cache, and paged prefill through FlashInfer's Hopper FA3 kernel on SM90 (FA2 elsewhere).
+
+Owns: the XQA launch of a decode pass, its workspace, and the fixed KV split XQA runs with. Must
+not: import flashinfer at module import time or copy device lengths to the host.
+
+XQA takes what the decode step has: device lengths [S] and the dense page table [S, P] (P pages
+per row, padded with the null page), so decode needs no plan at all and is graph-safe as is.
+
+Determinism: XQA may split each row's KV over several CTAs ("multi-block" mode). By default it
+picks the number from the batch size (more CTAs per row for small batches), which would make a
+row's bits depend on the rows beside it. FlashInfer reads the number from the environment variable
+`XQA_NB_SUB_SEQ` at every launch when it is set, so this backend sets it once, to a fixed value
+(`KV_SPLITS`, 1: no split) unless the process already set a positive value, which is batch
+independent too. Each row's reduction then depends only on its own length and pages.
+
+FP8 KV: XQA reads an FP8 cache with bf16 queries; `kv_cache_dtypes` is where that plugs in.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+
+from loopserve.attention.base import AttentionSpec
+from loopserve.attention.flashinfer.backend import FlashInferBackend, import_flashinfer
+from loopserve.kv.metadata import AttentionMetadata
+
+SPLIT_VARIABLE = "XQA_NB_SUB_SEQ"
+KV_SPLITS = 1  # CTAs per row, fixed for the life of the process
+SEMAPHORE_BYTES = 8 * 2**20  # as FlashInfer's own XQA wrapper reserves
+SCRATCH_BYTES = 64 * 2**20  # partial results of split rows (unused without a split)
+FA3_HEAD_SIZES = frozenset({64, 128, 256})  # what FlashInfer builds FA3 prefill for
+
+
+class FlashInferXQABackend(FlashInferBackend):
+    name = "flashinfer_xqa"
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.bfloat16})
+    kv_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.bfloat16})
+    block_sizes: ClassVar[frozenset[int] | None] = frozenset({16, 32, 64, 128})
+    compute_capability_majors: ClassVar[frozenset[int] | None] = frozenset({9, 10, 12})
+    min_compute_capability = (9, 0)
+    group_sizes: ClassVar[frozenset[int] | None] = frozenset({1, 2, 4, 8, 16})
+    determinism: ClassVar[str] = (
+        f"decode: a fixed KV split ({SPLIT_VARIABLE}, default {KV_SPLITS}), bitwise batch-"
+        "invariant; prefill: FA3 on SM90 (no KV split), else FA2 with the KV split off"
+    )
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        self.kv_splits = fix_kv_splits()
+        self._semaphores: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
+
+    @classmethod
+    def prefill_kernel(cls, spec: AttentionSpec) -> str:
+        # FA3 is Hopper-only and built for these head sizes; the H200 table in
+        # scripts/gpu_flashinfer.sh measures it against FA2 (not measured yet when this was set).
+        hopper = spec.compute_capability is not None and spec.compute_capability[0] == 9
+        return "fa3" if hopper and spec.head_size in FA3_HEAD_SIZES else "fa2"
+
+    def _prepare_decode(self, metadata: AttentionMetadata) -> None:
+        if self._semaphores is None:  # once; semaphores must start at zero
+            device = metadata.seq_lens.device
+            self._semaphores = torch.zeros(SEMAPHORE_BYTES, dtype=torch.uint8, device=device)
+            self._scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [S, Nq, D]
+        key_cache: torch.Tensor,  # [pages, block, Nkv, D]
+        value_cache: torch.Tensor,  # [pages, block, Nkv, D]
+        metadata: AttentionMetadata,
+        out: torch.Tensor,  # [S, Nq, D] contiguous
+    ) -> None:
+        import_flashinfer().xqa(
+            q.contiguous().unsqueeze(1),  # [S, beam 1, Nq, D]; XQA reads q densely
+            key_cache,
+            value_cache,
+            metadata.page_table.contiguous(),  # [S, P] int32
+            metadata.seq_lens.unsqueeze(1),  # [S, 1] int32 (read as uint32; never negative)
+            out.unsqueeze(1),
+            self._scratch,
+            self._semaphores,
+            self.spec.num_kv_heads,
+            self.spec.block_size,
+            # XQA scales q.k by q_scale / sqrt(D); ours is self.scale.
+            q_scale=self.scale * self.spec.head_size**0.5,
+            kv_layout="NHD",
+        )
+
+
+def fix_kv_splits() -> int:
+    """The batch-independent number of CTAs XQA splits a row over, set in the environment."""
+    value = os.environ.get(SPLIT_VARIABLE)
+    if value is None:
+        os.environ[SPLIT_VARIABLE] = str(KV_SPLITS)
+        return KV_SPLITS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{SPLIT_VARIABLE}={value!r}: flashinfer_xqa needs a fixed positive KV split (or the "
+            "variable unset, for 1); XQA's own choice depends on the batch size"
+        )
+    return int(value)
