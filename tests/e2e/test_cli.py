@@ -51,7 +51,7 @@ def test_generate_flags_are_sampling_params_with_its_defaults(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = build_parser().parse_args(["generate"])
-    assert sampling_params(args) == SamplingParams()
+    assert sampling_params(args, SamplingParams()) == SamplingParams()
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
@@ -72,7 +72,7 @@ def test_generate_flags_are_sampling_params_with_its_defaults(
             "--no-skip-special-tokens",
         ]
     )
-    params = sampling_params(args)
+    params = sampling_params(args, SamplingParams())
     assert (params.stop, params.stop_token_ids, params.skip_special_tokens) == (
         ("a", "b"),
         (3, 4),
