@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +42,6 @@ from loopserve.bench.kernels import (
     KernelShape,
     Workload,
     build_workload,
-    wall_timer,
 )
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
 
@@ -49,11 +49,11 @@ LANES = DecodeTiling(tensor_cores=False, heads_per_program=1, block_n=32)
 DOTS = DecodeTiling(tensor_cores=True, heads_per_program=16, block_n=64)
 
 
-def _lanes(**changes: int) -> DecodeTiling:
+def _lanes(**changes: Any) -> DecodeTiling:
     return dataclasses.replace(LANES, **changes)
 
 
-def _dots(**changes: int) -> DecodeTiling:
+def _dots(**changes: Any) -> DecodeTiling:
     return dataclasses.replace(DOTS, **changes)
 
 
@@ -63,9 +63,14 @@ def _dots(**changes: int) -> DecodeTiling:
 TILING_CANDIDATES: dict[str, DecodeTiling] = {
     "lanes-n32-w4-s3": LANES,
     "lanes-n16-w4-s3": _lanes(block_n=16),
+    "lanes-n16-w4-s4": _lanes(block_n=16, num_stages=4),
+    "lanes-n16-w2-s4": _lanes(block_n=16, num_warps=2, num_stages=4),
     "lanes-n64-w4-s3": _lanes(block_n=64),
+    "lanes-n64-w4-s2": _lanes(block_n=64, num_stages=2),
     "lanes-n64-w8-s3": _lanes(block_n=64, num_warps=8),
+    "lanes-n128-w8-s2": _lanes(block_n=128, num_warps=8, num_stages=2),
     "lanes-n32-w2-s3": _lanes(num_warps=2),
+    "lanes-n32-w8-s3": _lanes(num_warps=8),
     "lanes-n32-w4-s1": _lanes(num_stages=1),
     "lanes-n32-w4-s2": _lanes(num_stages=2),
     "lanes-n32-w4-s4": _lanes(num_stages=4),
@@ -73,6 +78,8 @@ TILING_CANDIDATES: dict[str, DecodeTiling] = {
     "lanes-n32-w4-s3-p256": _lanes(partition_min=256),
     "dots-n64-w4-s3": DOTS,
     "dots-n32-w4-s3": _dots(block_n=32),
+    "dots-n64-w8-s3": _dots(num_warps=8),
+    "dots-n128-w4-s2": _dots(block_n=128, num_stages=2),
 }
 # Schedules depend on the row count only: programs per SM the grid aims at (0: one per row).
 PROGRAMS_PER_SM = (0.0, 1.0, 2.0, 4.0, 8.0)
@@ -113,18 +120,30 @@ def decode_bytes(rows: int, context: int, shape: KernelShape) -> int:
     return kv_read + 2 * rows * (shape.num_heads + shape.num_kv_heads) * shape.head_dim * element
 
 
-def _workload(rows: int, context: int, sweep: Sweep) -> Workload:
-    """Decode rows of `context` tokens; page tables padded to the longest swept context."""
+@dataclass(slots=True)
+class ShapeWorkload(Workload):
+    reference: torch.Tensor | None = None  # [T, Nq, D] the old kernel's output, last layer
+
+
+def _workload(rows: int, context: int, sweep: Sweep) -> ShapeWorkload:
+    """Decode rows of `context` tokens, page tables padded to the longest swept context (as the
+    engine's are), and the old kernel's output as the reference."""
     settings = sweep.settings
-    workload = build_workload([context] * rows, [1] * rows, settings)
+    built = build_workload([context] * rows, [1] * rows, settings)
+    workload = ShapeWorkload(**{f.name: getattr(built, f.name) for f in dataclasses.fields(built)})
     width = -(-max(sweep.contexts) // settings.shape.block_size)
     table = workload.metadata.page_table
     padded = torch.nn.functional.pad(table, (0, width - table.shape[1]))  # null page 0
     workload.metadata = dataclasses.replace(workload.metadata, page_table=padded)
+    step, _ = _baseline_step(workload, sweep.num_sms)
+    step()
+    workload.reference = workload.out.clone()
     return workload
 
 
-def _step(workload: Workload, variant: Variant, num_sms: int) -> tuple[Callable[[], None], int]:
+def _step(
+    workload: ShapeWorkload, variant: Variant, num_sms: int
+) -> tuple[Callable[[], None], int]:
     """(one pass over the workload's layers with the variant, programs per row it uses)."""
     if variant.tiling is None:
         return _baseline_step(workload, num_sms)
@@ -142,7 +161,7 @@ def _step(workload: Workload, variant: Variant, num_sms: int) -> tuple[Callable[
     return step, backend.decode_split_programs(workload.metadata)
 
 
-def _baseline_step(workload: Workload, num_sms: int) -> tuple[Callable[[], None], int]:
+def _baseline_step(workload: ShapeWorkload, num_sms: int) -> tuple[Callable[[], None], int]:
     from loopserve.bench import decode_baseline as old
 
     q, metadata, kv = workload.q, workload.metadata, workload.kv
@@ -189,9 +208,11 @@ def graph_timer(step: Callable[[], object], replay_ms: float = 20.0) -> float:
 
 
 def measure(
-    workload: Workload, variant: Variant, rows: int, context: int, sweep: Sweep
+    workload: ShapeWorkload, variant: Variant, rows: int, context: int, sweep: Sweep
 ) -> dict[str, object]:
-    """One JSON record: µs per layer, TB/s and fraction of the copy ceiling, or the error."""
+    """One JSON record: µs per layer, TB/s and fraction of the copy ceiling, the largest
+    difference of the last layer's output to the old kernel's (`workload.reference`), or the
+    error."""
     from loopserve.bench.kernels import COPY_BANDWIDTH
 
     record: dict[str, object] = {"bench": "decode_sweep", "variant": variant.name}
@@ -204,6 +225,8 @@ def measure(
         step, splits = _step(workload, variant, sweep.num_sms)
         timer = graph_timer if sweep.settings.device.type == "cuda" else _wall_ms
         seconds = timer(step) / 1e3 / workload.layers
+        assert workload.reference is not None
+        difference = (workload.out.float() - workload.reference.float()).abs().max().item()
     except Exception as error:  # one bad variant must not hide the others
         return record | {"error": repr(error)[:500]}
     moved = decode_bytes(rows, context, sweep.settings.shape)
@@ -212,11 +235,15 @@ def measure(
         "us": seconds * 1e6,
         "tbps": moved / seconds / 1e12,
         "fraction_of_copy": moved / seconds / COPY_BANDWIDTH,
+        "max_abs_diff_vs_before": difference,
     }
 
 
 def _wall_ms(step: Callable[[], object]) -> float:
-    return wall_timer(step)["graph_ms"]
+    """The interpreter (a code-path check, not a measurement): one call's wall time."""
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
 
 
 def run_stage(

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -205,7 +206,7 @@ def _compare(workload: Workload, timer: Timer, queries: torch.Tensor, causal: bo
     return figures
 
 
-def bench_decode(batch: int, context: int, settings: BenchSettings, **tiling: int) -> dict:
+def bench_decode(batch: int, context: int, settings: BenchSettings, **tiling: Any) -> dict:
     """Decode rows of one query token over `context` tokens each (tiling: DecodeTiling fields)."""
     shape = settings.shape
     workload = build_workload([context] * batch, [1] * batch, settings)

@@ -355,6 +355,7 @@ def _launch_decode(
         WRITE_KV=new_kv is not None,
         COMBINE=num_split_programs == 1,
         num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from .batch_specs import (
 )
 
 MHA = HeadShape(2, 2, 32, torch.bfloat16)
+MHA_FP32 = HeadShape(2, 2, 32, torch.float32)
 GQA = HeadShape(4, 2, 32, torch.float32)  # group 2
 PADDED = HeadShape(6, 2, 80, torch.float16)  # group 3, head dim padded to 128
 # Tiny partitions so that CPU-sized rows have several, and rows over 64 tokens double them.
@@ -190,7 +191,7 @@ SWEEP_ROWS = [Row(300), Row(129), Row(1), Row(0), Row(64)]
 def test_sweep_tilings(tiling: DecodeTiling, device: torch.device) -> None:
     """Every tiling the sweep launches (its Ouro head count scaled to a CPU shape): correct with
     the combine separate and fused, and bitwise equal across the two."""
-    shape = GQA if tiling.tensor_cores else MHA
+    shape = GQA if tiling.tensor_cores else MHA_FP32
     batch = build_batch(SWEEP_ROWS, shape, device, seed=11)
     fused = _decode(batch, tiling, splits=1, fused_write=True)
     _assert_matches(fused, batch, shape.dtype)
