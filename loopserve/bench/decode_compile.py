@@ -8,7 +8,7 @@ loads), `bar.sync` and tensor-core instruction counts. Must not: be imported by 
 swaps triton's active driver while it runs).
 
 Usage: python -m loopserve.bench.decode_compile [--quick] [--json]
-       PYTHONPATH=.carry/triton-3.6 python -m loopserve.bench.decode_compile   (another triton)
+       PYTHONPATH=$PWD:.carry/triton-3.6 python -m loopserve.bench.decode_compile   (triton 3.6)
 Exit status 1 if a variant fails to compile, spills, or needs more shared memory than sm_90 has.
 """
 

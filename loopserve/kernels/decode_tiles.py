@@ -221,21 +221,28 @@ def combine_partials(
     The only definition of the fold: the decode kernel (one program per row, or a row with one
     partition) and the combine kernel both call it, so a row's bits do not depend on which ran.
     Element-wise arithmetic only: the result does not depend on the caller's layout or HEADS.
-    Rows without partitions give zeros.
+    Partitions are read UNROLL at a time (one memory round trip each); parts past num_parts get
+    weight 0 and add exact zeros. Rows without partitions give zeros.
     """
+    UNROLL: tl.constexpr = 8
     dims = tl.arange(0, BLOCK_D)
-    out_mask = head_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    zero_heads = tl.arange(0, HEADS) * 0
     global_max = tl.full([HEADS], float("-inf"), tl.float32)
-    for part in range(0, num_parts):
-        part_max = tl.load(max_ptrs + part, mask=head_valid, other=0.0)
-        global_max = tl.maximum(global_max, part_max)
+    for base in range(0, num_parts, UNROLL):
+        for offset in tl.static_range(UNROLL):
+            valid = head_valid & (zero_heads + base + offset < num_parts)
+            part_max = tl.load(max_ptrs + base + offset, mask=valid, other=float("-inf"))
+            global_max = tl.maximum(global_max, part_max)
     total = tl.zeros([HEADS], tl.float32)
     acc = tl.zeros([HEADS, BLOCK_D], tl.float32)
-    for part in range(0, num_parts):  # fixed order: partition 0, 1, 2, ...
-        weight = tl.exp2(tl.load(max_ptrs + part, mask=head_valid, other=0.0) - global_max)
-        total = tl.fma(tl.load(sum_ptrs + part, mask=head_valid, other=0.0), weight, total)
-        part_out = tl.load(
-            out_ptrs[:, None] + part * HEAD_DIM + dims[None, :], mask=out_mask, other=0.0
-        )
-        acc = tl.fma(part_out, weight[:, None], acc)
+    for base in range(0, num_parts, UNROLL):  # fixed order: partition 0, 1, 2, ...
+        for offset in tl.static_range(UNROLL):
+            part = base + offset
+            valid = head_valid & (zero_heads + part < num_parts)
+            part_max = tl.load(max_ptrs + part, mask=valid, other=0.0)
+            weight = tl.where(valid, tl.exp2(part_max - global_max), 0.0)
+            total = tl.fma(tl.load(sum_ptrs + part, mask=valid, other=0.0), weight, total)
+            out_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+            offsets = out_ptrs[:, None] + part * HEAD_DIM + dims[None, :]
+            acc = tl.fma(tl.load(offsets, mask=out_mask, other=0.0), weight[:, None], acc)
     return acc / tl.where(total > 0, total, 1.0)[:, None]  # a partition's sum is >= 1

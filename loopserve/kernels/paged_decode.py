@@ -1,21 +1,21 @@
 """Triton paged decode attention: one query token per row over that row's own page table.
 
-Owns: the decode kernel (it streams a row's partitions, optionally writes the row's new K/V first
-and combines the partials itself), the combine kernel for rows whose partitions were shared out,
-the workspace they share, and the tiling and split rules. Must not: read host copies of lengths
-or sync with the device; the launch grid depends only on the number of rows and on shapes, so a
-decode step can be captured in a CUDA graph for a fixed padded row count.
+Owns: the decode kernel (a program streams its partitions of a row; it can store the row's new
+K/V first, and it combines the row itself when it is the row's only program), the combine kernel
+for rows whose partitions were shared out, and the workspace they share. The tiling, partition
+and split rules are `decode_plan.py`; the tile loops and the fold are `decode_tiles.py`. Must not:
+read host copies of lengths or sync with the device; the launch grid depends only on the number
+of rows and on shapes, so a decode step can be captured in a CUDA graph for a fixed padded row
+count.
 
-Batch invariance. A row of length L is cut into partitions of `partition_size(L)` tokens: the
-smallest `partition_min * 2**k` that gives at most `max_partitions` partitions. That depends on
-L alone. Each partition is reduced in a fixed tile order (online softmax, fp32; see
-`decode_tiles.py`) into a partial (max, sum, unnormalised output), and partials are folded in
-partition order by one function, `_combine`, whichever program runs it. How many programs share
-a row (`num_split_programs`, chosen from the row count) only changes *which* program reduces a
-partition and whether the combine runs in the decode program (one program per row) or in the
-combine kernel, never the arithmetic, so a row's bits do not depend on the batch it is in.
-`DecodeTiling` (the tile shape and math) is fixed per model shape; it must never be chosen from
-the row count.
+Batch invariance. A row of length L is cut into partitions whose size depends on L alone. Each
+partition is reduced in a fixed tile order (online softmax, fp32) into a partial (max, sum,
+unnormalised output), and partials are folded in partition order by one function,
+`combine_partials`, whichever program runs it. How many programs share a row
+(`num_split_programs`, chosen from the row count) only changes *which* program reduces a
+partition and whether the fold runs in the decode program or in the combine kernel, never the
+arithmetic, so a row's bits do not depend on the batch it is in. `DecodeTiling` (tile shape and
+math) is fixed per model shape; it must never be chosen from the row count.
 
 Rows whose query length is not 1 (prompt chunks of a mixed batch) are skipped and their outputs
 left alone; rows of length 0 (padding) produce zeros.
@@ -291,6 +291,8 @@ def paged_decode_attention(
     query token. Reads only device tensors of `metadata` (never its host lists), so it can be
     graph-captured.
     """
+    if new_kv is not None and metadata.max_query_len != 1:
+        raise ValueError("the decode kernel writes new K/V only in passes of one-token rows")
     rows = metadata.seq_lens.shape[0]
     needed = tiling.partitions_bound(metadata.page_table.shape[1] * key_cache.shape[1])
     if workspace.partial_max.shape[2] < needed or workspace.partial_max.shape[0] < rows:
