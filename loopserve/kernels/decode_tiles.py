@@ -5,10 +5,12 @@ of query heads) and `combine_partials`, the single definition of how partials ar
 not: choose partitions or programs (paged_decode.py does); everything here depends only on the
 row's length, its pages and the constexpr tiling, never on the batch.
 
-A program walks its tiles in one flat, software-pipelined loop (`tl.range(num_stages=...)`: the
-page-table and K/V loads of later tiles are in flight while a tile is reduced, also across
-partition boundaries). Tile t of the program is tile `t % 2**tile_shift` of partition `split +
-(t >> tile_shift) * splits`; at a partition's last tile the program stores its partial and resets.
+A program walks its full tiles in one flat, software-pipelined loop (`tl.range(num_stages=...)`:
+the page-table and K/V loads of later tiles are in flight while a tile is reduced, also across
+partition boundaries) without masks; a row's last tile, if partial, is reduced after the loop
+with masks (the same arithmetic). Tile t of the program is tile `t % 2**tile_shift` of
+partition `split + (t >> tile_shift) * splits`; at a partition's last tile the program stores
+its partial and resets.
 
 Arithmetic is fp32 with explicit `tl.fma` where a product is accumulated, so the compiler's
 contraction choices cannot differ between kernels that share these functions.
@@ -25,23 +27,48 @@ def _load_kv(
     k_ptr,  # this KV head of the key cache
     v_ptr,
     table_row_ptr,
-    tokens,  # [BLOCK_N]
-    valid,  # [BLOCK_N]
+    start,  # the tile's first token, a multiple of BLOCK_N
+    seq_len,
     stride_cache_page,
     stride_cache_offset,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,  # the tile reaches past the row's end (only a row's last tile)
 ):
-    """K and V [BLOCK_N, BLOCK_D] of the tile (input dtype); 0 outside the row and head dim."""
+    """(K, V [BLOCK_N, BLOCK_D] of the tile in the input dtype, 0 outside the row and the head
+    dim; valid [BLOCK_N]: the token is in the row). Unmasked tiles issue no predicates."""
     dims = tl.arange(0, BLOCK_D)
-    pages = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = pages * stride_cache_page + (tokens % BLOCK_SIZE) * stride_cache_offset
+    lanes = tl.arange(0, BLOCK_N)
+    if BLOCK_N % BLOCK_SIZE == 0:  # the tile starts a page: per-lane page and offset are constants
+        page_index = start // BLOCK_SIZE + lanes // BLOCK_SIZE
+        in_page = lanes % BLOCK_SIZE
+    elif BLOCK_SIZE % BLOCK_N == 0:  # the tile lies within one page
+        page_index = start // BLOCK_SIZE + lanes * 0
+        in_page = start % BLOCK_SIZE + lanes
+    else:
+        page_index = (start + lanes) // BLOCK_SIZE
+        in_page = (start + lanes) % BLOCK_SIZE
+    valid = start + lanes < seq_len
+    if MASKED:
+        pages = tl.load(table_row_ptr + page_index, mask=valid, other=0)
+    else:
+        pages = tl.load(table_row_ptr + page_index)
+    rows = pages.to(tl.int64) * stride_cache_page + in_page * stride_cache_offset
     offsets = rows[:, None] + dims[None, :]
-    mask = valid[:, None] & (dims < HEAD_DIM)[None, :]  # constant along dims if not padded
-    k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
-    return k, v
+    if MASKED:
+        mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
+    elif HEAD_DIM < BLOCK_D:
+        mask = (lanes >= 0)[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
+    else:
+        k = tl.load(k_ptr + offsets)
+        v = tl.load(v_ptr + offsets)
+    return k, v, valid
 
 
 @triton.jit
@@ -73,6 +100,38 @@ def _dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _lane_step(lane_max, lane_sum, acc, q, k, v, valid, MASKED: tl.constexpr):
+    """One tile into the lanes' online softmax: (max [N], sum [N], acc [N, D]) -> updated."""
+    scores = tl.sum(k.to(tl.float32) * q, axis=1)  # [BLOCK_N], log2 units (q is pre-scaled)
+    if MASKED:
+        scores = tl.where(valid, scores, float("-inf"))
+    new_max = tl.maximum(lane_max, scores)
+    reference = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes without tokens yet
+    alpha = tl.exp2(lane_max - reference)
+    p = tl.exp2(scores - reference)
+    lane_sum = tl.fma(lane_sum, alpha, p)
+    acc = tl.fma(acc, alpha[:, None], p[:, None] * v.to(tl.float32))
+    return new_max, lane_sum, acc
+
+
+@triton.jit
+def _lane_flush(
+    lane_max, lane_sum, acc, out_ptrs, max_ptrs, sum_ptrs, part, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Merge the lanes (the only reduction over tokens) and store partition `part`'s partial."""
+    part_max = tl.max(lane_max, axis=0)  # finite: a partition has a token
+    weight = tl.exp2(lane_max - part_max)  # 0 for lanes without tokens
+    one = tl.zeros([1], tl.float32)
+    part_sum = one + tl.sum(lane_sum * weight, axis=0)
+    part_out = tl.sum(acc * weight[:, None], axis=0)[None, :]
+    _store_partial(
+        out_ptrs, max_ptrs, sum_ptrs, part, one + part_max, part_sum, part_out, one == 0,
+        HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
 def lane_tiles(
     q_ptrs,  # [1] this program's query head
     k_ptr,  # this KV head of the key cache
@@ -86,7 +145,8 @@ def lane_tiles(
     part_size,
     split,
     splits,
-    num_tiles,
+    num_tiles,  # this program's tiles; the last one is partial when `tail`
+    tail,
     tile_shift,  # a partition has 1 << tile_shift tiles
     stride_cache_page,
     stride_cache_offset,
@@ -98,7 +158,8 @@ def lane_tiles(
 ):
     """One query head on CUDA cores: lane n of the tile keeps its own online softmax over tokens
     n, n + BLOCK_N, ... of the partition; lanes are merged once, at the partition's end, so the
-    tile loop has no reduction over tokens (none across warps)."""
+    tile loop has no reduction over tokens (none across warps). Full tiles run in the pipelined
+    loop without masks; a row's partial last tile runs after it."""
     dims = tl.arange(0, BLOCK_D)
     # q broadcast over the tile's lanes, loaded as a [BLOCK_N, BLOCK_D] tile so that it gets the
     # K tile's layout (each lane's dims within one warp): the q·k sums then need no shared memory.
@@ -108,37 +169,49 @@ def lane_tiles(
     lane_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for t in tl.range(0, num_tiles, num_stages=NUM_STAGES):
+    for t in tl.range(0, num_tiles - tail, num_stages=NUM_STAGES):
         local = t & ((1 << tile_shift) - 1)  # tile t is tile `local` of partition `part`
         part = split + (t >> tile_shift) * splits
         start = part * part_size + local * BLOCK_N
-        tokens = start + tl.arange(0, BLOCK_N)
-        valid = tokens < seq_len
-        k, v = _load_kv(
-            k_ptr, v_ptr, table_row_ptr, tokens, valid, stride_cache_page, stride_cache_offset,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+        k, v, valid = _load_kv(
+            k_ptr, v_ptr, table_row_ptr, start, seq_len, stride_cache_page, stride_cache_offset,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False,
         )  # fmt: skip
-        scores = tl.where(valid, tl.sum(k.to(tl.float32) * q, axis=1), float("-inf"))
-        new_max = tl.maximum(lane_max, scores)
-        reference = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes without tokens yet
-        alpha = tl.exp2(lane_max - reference)
-        p = tl.exp2(scores - reference)
-        lane_sum = tl.fma(lane_sum, alpha, p)
-        acc = tl.fma(acc, alpha[:, None], p[:, None] * v.to(tl.float32))
-        lane_max = new_max
+        lane_max, lane_sum, acc = _lane_step(lane_max, lane_sum, acc, q, k, v, valid, False)
         if (local == (1 << tile_shift) - 1) | (start + BLOCK_N >= seq_len):  # partition ends
-            part_max = tl.max(lane_max, axis=0)  # finite: a partition has a token
-            weight = tl.exp2(lane_max - part_max)  # 0 for lanes without tokens
-            one = tl.zeros([1], tl.float32)
-            part_sum = one + tl.sum(lane_sum * weight, axis=0)
-            part_out = tl.sum(acc * weight[:, None], axis=0)[None, :]
-            _store_partial(
-                out_ptrs, max_ptrs, sum_ptrs, part, one + part_max, part_sum, part_out,
-                one == 0, HEAD_DIM, BLOCK_D,
-            )  # fmt: skip
+            _lane_flush(
+                lane_max, lane_sum, acc, out_ptrs, max_ptrs, sum_ptrs, part, HEAD_DIM, BLOCK_D
+            )
             lane_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
             lane_sum = tl.zeros([BLOCK_N], tl.float32)
             acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if tail:  # the row's last tile, partial; it ends the row's last partition
+        t = num_tiles - 1
+        part = split + (t >> tile_shift) * splits
+        start = part * part_size + (t & ((1 << tile_shift) - 1)) * BLOCK_N
+        k, v, valid = _load_kv(
+            k_ptr, v_ptr, table_row_ptr, start, seq_len, stride_cache_page, stride_cache_offset,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+        )  # fmt: skip
+        lane_max, lane_sum, acc = _lane_step(lane_max, lane_sum, acc, q, k, v, valid, True)
+        _lane_flush(lane_max, lane_sum, acc, out_ptrs, max_ptrs, sum_ptrs, part, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dot_step(
+    running_max, running_sum, acc, q, k, v, valid, scale_log2, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of a FlashAttention-2 step for the heads: (max [H], sum [H], acc [H, D])."""
+    scores = _dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [H, BLOCK_N]
+    if MASKED:
+        scores = tl.where(valid[None, :], scores, float("-inf"))  # the first token is valid
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    alpha = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    running_sum = tl.fma(running_sum, alpha, tl.sum(p, axis=1))
+    acc = tl.fma(acc, alpha[:, None], _dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST))
+    return new_max, running_sum, acc
 
 
 @triton.jit
@@ -170,7 +243,8 @@ def dot_tiles(
     UPCAST: tl.constexpr,
 ):
     """HEADS query heads of one KV group on tensor cores: a FlashAttention-2 step per tile
-    (q·kᵀ and p·v with `tl.dot`, fp32 accumulation, p rounded to the input dtype for p·v)."""
+    (q·kᵀ and p·v with `tl.dot`, fp32 accumulation, p rounded to the input dtype for p·v).
+    Every tile is masked (a separate partial-tile step would cost registers: 206 vs 124)."""
     dims = tl.arange(0, BLOCK_D)
     q_mask = head_valid[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(q_ptrs[:, None] + dims[None, :], mask=q_mask, other=0.0)  # [H, BLOCK_D]
@@ -181,20 +255,14 @@ def dot_tiles(
         local = t & ((1 << tile_shift) - 1)  # tile t is tile `local` of partition `part`
         part = split + (t >> tile_shift) * splits
         start = part * part_size + local * BLOCK_N
-        tokens = start + tl.arange(0, BLOCK_N)
-        valid = tokens < seq_len  # the tile's first token is valid
-        k, v = _load_kv(
-            k_ptr, v_ptr, table_row_ptr, tokens, valid, stride_cache_page, stride_cache_offset,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+        k, v, valid = _load_kv(
+            k_ptr, v_ptr, table_row_ptr, start, seq_len, stride_cache_page, stride_cache_offset,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
         )  # fmt: skip
-        scores = _dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [H, BLOCK_N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        running_sum = tl.fma(running_sum, alpha, tl.sum(p, axis=1))
-        acc = tl.fma(acc, alpha[:, None], _dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST))
-        running_max = new_max
+        running_max, running_sum, acc = _dot_step(
+            running_max, running_sum, acc, q, k, v, valid, scale_log2, INPUT_PRECISION, UPCAST,
+            True,
+        )  # fmt: skip
         if (local == (1 << tile_shift) - 1) | (start + BLOCK_N >= seq_len):  # partition ends
             _store_partial(
                 out_ptrs, max_ptrs, sum_ptrs, part, running_max, running_sum, acc, head_valid,

@@ -79,7 +79,8 @@ def _decode_row(query_start_ptr, seq_lens_ptr, row):
 def _program_tiles(
     seq_len, split, num_split_programs, part_size, tile_shift, BLOCK_N: tl.constexpr
 ):
-    """(tiles this program reduces, partitions of the row).
+    """(tiles this program reduces, 1 if its last one is partial else 0, partitions of the row,
+    whether it owns the row's last partition).
 
     Program `split` owns partitions split, split + splits, ...; each has 1 << tile_shift tiles
     (part_size / BLOCK_N) but the row's last, which has the rest of its ceil(L / BLOCK_N) tiles.
@@ -88,7 +89,9 @@ def _program_tiles(
     owned = tl.maximum(num_parts - split + num_split_programs - 1, 0) // num_split_programs
     owns_last = (num_parts > 0) & ((num_parts - 1) % num_split_programs == split)
     missing = (num_parts << tile_shift) - (seq_len + BLOCK_N - 1) // BLOCK_N  # not in the last
-    return (owned << tile_shift) - tl.where(owns_last, missing, 0), num_parts
+    num_tiles = (owned << tile_shift) - tl.where(owns_last, missing, 0)
+    tail = tl.where(owns_last & (seq_len % BLOCK_N != 0), 1, 0)
+    return num_tiles, tail, num_parts, owns_last
 
 
 @triton.jit
@@ -184,14 +187,13 @@ def _decode_kernel(
     doublings = _partition_doublings(seq_len, PARTITION_MIN, MAX_PARTITIONS)
     part_size = PARTITION_MIN << doublings
     tile_shift = PART_TILES_LOG2 + doublings  # a partition has 1 << tile_shift tiles
-    num_tiles, num_parts = _program_tiles(
+    num_tiles, tail, num_parts, owns_last = _program_tiles(
         seq_len, split, num_split_programs, part_size, tile_shift, BLOCK_N
     )
     if WRITE_KV:
-        last_tile_mine = (num_parts > 0) & ((num_parts - 1) % num_split_programs == split)
         _write_new_kv(
             k_new_ptr, v_new_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, token,
-            kv_head, last_tile_mine, stride_new_token, stride_new_head, stride_cache_page,
+            kv_head, owns_last, stride_new_token, stride_new_head, stride_cache_page,
             stride_cache_offset, stride_cache_head, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
         )  # fmt: skip
     q_rows = token * stride_q_token + heads * stride_q_head  # [H]
@@ -213,7 +215,7 @@ def _decode_kernel(
             q_ptr + q_rows, key_cache_ptr + kv_head_offset, value_cache_ptr + kv_head_offset,
             table_row_ptr, partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
             partial_sum_ptr + scalar_rows, scale_log2, seq_len, part_size, split,
-            num_split_programs, num_tiles, tile_shift, stride_cache_page,
+            num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
             stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
         )  # fmt: skip
     # A row with one partition is finished here by split 0, whatever the split count.
