@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=3, help="tilings that get the schedule stage")
     parser.add_argument("--budget-s", type=float, default=230.0, help="stop starting new timings")
     parser.add_argument("--out", help="also write the JSON lines (records, then summary) here")
+    parser.add_argument("--tables", help="also write the printed tables here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the CPU interpreter")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
@@ -396,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
 
         tilings = SMOKE_TILINGS if args.smoke else TILING_CANDIDATES
         records = run_sweep(sweep, emit, tilings)
-        print(report.tables(records, sweep.rows, sweep.contexts), flush=True)
+        text = report.tables(records, sweep.rows, sweep.contexts)
+        print(text, flush=True)
+        if args.tables:
+            with open(args.tables, "w") as tables:
+                tables.write(text + "\n")
         summary = report.summary(records, sweep.rows, sweep.contexts, tilings)
         emit(summary)
     return 0 if summary.get("tiling") else 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from loopserve.bench import decode_sweep as sweep_module
@@ -89,3 +90,31 @@ def test_tiny_sweep_runs_every_stage(device: torch.device) -> None:
     assert variants == {report.BASELINE, "lanes", "lanes (separate kv_write)"}
     assert all(r["max_abs_diff_vs_before"] < 0.05 for r in records)
     assert report.summary(records, sweep.rows, sweep.contexts, tilings)["tiling_name"] == "lanes"
+
+
+def test_default_schedule_at_ouro_shape() -> None:
+    """Programs per (row, KV head) on 132 SMs with 8192-token tables (32 partitions)."""
+    schedule, head_programs, parts = DecodeSchedule(), 16, 32
+    splits = {
+        rows: schedule.num_split_programs(rows, head_programs, parts, 132)
+        for rows in (1, 8, 16, 32, 128)
+    }
+    assert splits == {1: 32, 8: 5, 16: 2, 32: 1, 128: 1}
+    assert DecodeSchedule(programs_per_sm=((1 << 30, 0.0),)).num_split_programs(1, 16, 32, 132) == 1
+
+
+def test_tiling_rules() -> None:
+    assert DecodeTiling.for_shape(1, 128) == DecodeTiling(False, 1, 32)
+    assert DecodeTiling.for_shape(4, 128) == DecodeTiling(True, 16, 64)
+    assert DecodeTiling.for_shape(1, 256).block_n == 16
+    assert DecodeTiling.for_shape(6, 256) == DecodeTiling(True, 16, 32)
+    for bad in (
+        {"tensor_cores": True, "heads_per_program": 8, "block_n": 32},  # dots need >= 16 heads
+        {"tensor_cores": False, "heads_per_program": 2, "block_n": 32},
+        {"tensor_cores": False, "heads_per_program": 1, "block_n": 48},  # not a power of two
+        {"tensor_cores": False, "heads_per_program": 1, "block_n": 256},  # > partition_min
+    ):
+        with pytest.raises(ValueError):
+            DecodeTiling(**bad)
+    assert DecodeTiling(False, 1, 32).partitions_bound(8192) == 32
+    assert DecodeTiling(False, 1, 32).partitions_bound(640) == 5
