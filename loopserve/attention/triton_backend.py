@@ -193,6 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, key_cache, value_cache, metadata, out, workspace,
                 scale=self.scale, num_split_programs=plan.num_split_programs,
                 tiling=self.decode_tiling, new_kv=(k, v) if fused_write else None,
+                last_program_combines=self.decode_schedule.last_program_combines,
             )  # fmt: skip
         if plan.prefill_tiles is not None:
             paged_prefill_attention(
@@ -238,6 +239,7 @@ class _DecodeWorkspacePool:
             partial_out=current.partial_out[:rows],
             partial_max=current.partial_max[:rows],
             partial_sum=current.partial_sum[:rows],
+            arrivals=current.arrivals[:rows],
         )
 
 

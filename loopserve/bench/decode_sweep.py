@@ -107,10 +107,11 @@ class Sweep:
     num_sms: int = 132
 
 
-def fixed_schedule(programs_per_sm: float, fuse_kv_write: bool = True) -> DecodeSchedule:
-    return DecodeSchedule(
-        programs_per_sm=((1 << 30, programs_per_sm),), fuse_kv_write=fuse_kv_write
-    )
+def fixed_schedule(
+    programs_per_sm: float, fuse_kv_write: bool = True, last_program_combines: bool = False
+) -> DecodeSchedule:
+    """The same programs per SM for every row count."""
+    return DecodeSchedule(((1 << 30, programs_per_sm),), fuse_kv_write, last_program_combines)
 
 
 def decode_bytes(rows: int, context: int, shape: KernelShape) -> int:
@@ -312,7 +313,8 @@ def stage_one(
 
 
 def stage_two(sweep: Sweep, names: list[str], tilings: dict[str, DecodeTiling]) -> Callable:
-    """The schedules stage one did not measure, for the tilings `names`."""
+    """The schedules stage one did not measure, for the tilings `names`: every split count, and
+    with the last program combining where rows are shared."""
 
     def variants_for(rows: int, context: int) -> list[Variant]:
         variants = []
@@ -322,16 +324,21 @@ def stage_two(sweep: Sweep, names: list[str], tilings: dict[str, DecodeTiling]) 
             for splits, covers in split_groups(tiling, rows, sweep).items():
                 if splits != measured:
                     variants.append(Variant(name, tiling, fixed_schedule(covers[0]), covers))
+                if splits > 1:
+                    schedule = fixed_schedule(covers[0], last_program_combines=True)
+                    variants.append(Variant(name, tiling, schedule, covers))
         return variants
 
     return variants_for
 
 
-def stage_three(sweep: Sweep, name: str, tiling: DecodeTiling, per_rows: dict[int, float]):
+def stage_three(
+    sweep: Sweep, name: str, tiling: DecodeTiling, per_rows: dict[int, float], last: bool
+) -> Callable:
     """The chosen setting with the KV write as a separate launch."""
 
     def variants_for(rows: int, context: int) -> list[Variant]:
-        schedule = fixed_schedule(per_rows[rows], fuse_kv_write=False)
+        schedule = fixed_schedule(per_rows[rows], False, last)
         return [Variant(f"{name} (separate kv_write)", tiling, schedule, (per_rows[rows],))]
 
     return variants_for
@@ -348,8 +355,8 @@ def run_sweep(sweep: Sweep, emit: Callable[[dict], None], tilings=None) -> list[
     records += run_stage(stage_two(sweep, ranked[: sweep.top], tilings), sweep, emit, deadline)
     choice = report.choose(records, sweep.rows, sweep.contexts)
     if choice is not None:
-        name, per_rows = choice
-        stage = stage_three(sweep, name, tilings[name], per_rows)
+        name, per_rows, last = choice
+        stage = stage_three(sweep, name, tilings[name], per_rows, last)
         records += run_stage(stage, sweep, emit, deadline)
     return records
 

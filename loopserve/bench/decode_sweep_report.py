@@ -43,8 +43,11 @@ def _timed(records: list[dict]) -> list[dict]:
     return [r for r in records if "us" in r and r["max_abs_diff_vs_before"] <= MAX_DIFFERENCE]
 
 
-def _times(records: list[dict], name: str, per_sm: float | None) -> dict[Shape, float]:
-    """µs per shape of tiling `name` at `per_sm` programs per SM (None: the default schedule)."""
+def _times(
+    records: list[dict], name: str, per_sm: float | None, last: bool = False
+) -> dict[Shape, float]:
+    """µs per shape of tiling `name` at `per_sm` programs per SM (None: the default schedule),
+    the last program combining shared rows or not (one program per row: either)."""
     times: dict[Shape, float] = {}
     for record in _timed(records):
         if record["variant"] != name:
@@ -52,6 +55,8 @@ def _times(records: list[dict], name: str, per_sm: float | None) -> dict[Shape, 
         if per_sm is None and record["schedule"] != _default_schedule_dict():
             continue
         if per_sm is not None and per_sm not in record["covers_programs_per_sm"]:
+            continue
+        if record["schedule"]["last_program_combines"] != last and record["splits"] > 1:
             continue
         if record["schedule"]["fuse_kv_write"] is False:
             continue
@@ -82,14 +87,14 @@ def rank_tilings(records: list[dict], rows: tuple, contexts: tuple) -> list[str]
     return sorted(scores, key=scores.__getitem__)
 
 
-def _best_per_rows(records: list[dict], name: str, rows: tuple, contexts: tuple):
+def _best_per_rows(records: list[dict], name: str, rows: tuple, contexts: tuple, last: bool):
     """{rows: (programs per SM, geomean µs over contexts)} for tiling `name`, where complete."""
     measured = {
         x for r in _timed(records) if r["variant"] == name for x in r["covers_programs_per_sm"]
     }
     best: dict[int, tuple[float, float]] = {}
     for per_sm in sorted(measured):
-        times = _times(records, name, per_sm)
+        times = _times(records, name, per_sm, last)
         for count in rows:
             if all((count, c) in times for c in contexts):
                 score = _geomean(times[(count, c)] for c in contexts)
@@ -98,24 +103,26 @@ def _best_per_rows(records: list[dict], name: str, rows: tuple, contexts: tuple)
     return best
 
 
-def choose(records: list[dict], rows: tuple, contexts: tuple) -> tuple[str, dict] | None:
-    """(tiling name, {rows: programs per SM}) with the best geomean over every shape."""
+def choose(records: list[dict], rows: tuple, contexts: tuple) -> tuple[str, dict, bool] | None:
+    """(tiling name, {rows: programs per SM}, last program combines) with the best geomean over
+    every shape."""
     scored = []
     for name in rank_tilings(records, rows, contexts):
-        best = _best_per_rows(records, name, rows, contexts)
-        if len(best) == len(rows):
-            score = _geomean(best[r][1] for r in rows)  # = the geomean over every shape
-            scored.append((score, name, {r: best[r][0] for r in rows}))
+        for last in (False, True):
+            best = _best_per_rows(records, name, rows, contexts, last)
+            if len(best) == len(rows):
+                score = _geomean(best[r][1] for r in rows)  # = the geomean over every shape
+                scored.append((score, last, name, {r: best[r][0] for r in rows}))
     if not scored:
         return None
-    _, name, per_rows = min(scored)
-    return name, per_rows
+    _, last, name, per_rows = min(scored)
+    return name, per_rows, last
 
 
-def _chosen_times(records: list[dict], name: str, per_rows: dict[int, float]) -> dict:
+def _chosen_times(records: list[dict], name: str, per_rows: dict[int, float], last: bool) -> dict:
     times = {}
     for count, per_sm in per_rows.items():
-        for shape, us in _times(records, name, per_sm).items():
+        for shape, us in _times(records, name, per_sm, last).items():
             if shape[0] == count:
                 times[shape] = us
     return times
@@ -141,10 +148,13 @@ def tables(records: list[dict], rows: tuple, contexts: tuple) -> str:
     choice = choose(records, rows, contexts)
     if choice is None:
         return "\n".join([*lines, "", "no tiling measured on every shape"])
-    name, per_rows = choice
-    lines += ["", f"chosen: {name}, programs per SM by rows {per_rows}"]
+    name, per_rows, last = choice
+    lines += [
+        "",
+        f"chosen: {name}, programs per SM by rows {per_rows}, last program combines {last}",
+    ]
     lines.append(_final_header())
-    chosen, baseline = _chosen_times(records, name, per_rows), _baseline(records)
+    chosen, baseline = _chosen_times(records, name, per_rows, last), _baseline(records)
     separate = _separate_write_times(records, name)
     bytes_of = {(r["rows"], r["context"]): r["us"] * r["tbps"] for r in _timed(records)}
     for shape in shapes:
@@ -185,9 +195,10 @@ def summary(records: list[dict], rows: tuple, contexts: tuple, tilings: dict) ->
     errors += sorted({f"{r['variant']}: output differs from the old kernel's" for r in wrong})
     if choice is None:
         return result | {"errors": errors}
-    name, per_rows = choice
+    name, per_rows, last = choice
     tiling: DecodeTiling = tilings[name]
-    chosen, separate = _chosen_times(records, name, per_rows), _separate_write_times(records, name)
+    chosen = _chosen_times(records, name, per_rows, last)
+    separate = _separate_write_times(records, name)
     fuse = not separate or _geomean(chosen[s] for s in separate) <= _geomean(separate.values())
     per_shape = {f"{r}x{c}": round(us, 2) for (r, c), us in sorted(chosen.items())}
     baseline = {f"{r}x{c}": round(us, 2) for (r, c), us in sorted(_baseline(records).items())}
@@ -197,6 +208,7 @@ def summary(records: list[dict], rows: tuple, contexts: tuple, tilings: dict) ->
         "schedule": {
             "programs_per_sm": [[count, per_rows[count]] for count in sorted(per_rows)],
             "fuse_kv_write": fuse,
+            "last_program_combines": last,
         },
         "us_per_layer": per_shape,
         "before_us_per_layer": baseline,

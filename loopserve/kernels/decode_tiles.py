@@ -283,6 +283,7 @@ def combine_partials(
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CACHE: tl.constexpr,  # ".cg" when other programs of this launch wrote the partials
 ):
     """The normalised output [H, BLOCK_D] from partitions 0, 1, ..., num_parts - 1 in that order.
 
@@ -299,7 +300,9 @@ def combine_partials(
     for base in range(0, num_parts, UNROLL):
         for offset in tl.static_range(UNROLL):
             valid = head_valid & (zero_heads + base + offset < num_parts)
-            part_max = tl.load(max_ptrs + base + offset, mask=valid, other=float("-inf"))
+            part_max = tl.load(
+                max_ptrs + base + offset, mask=valid, other=float("-inf"), cache_modifier=CACHE
+            )
             global_max = tl.maximum(global_max, part_max)
     total = tl.zeros([HEADS], tl.float32)
     acc = tl.zeros([HEADS, BLOCK_D], tl.float32)
@@ -307,10 +310,12 @@ def combine_partials(
         for offset in tl.static_range(UNROLL):
             part = base + offset
             valid = head_valid & (zero_heads + part < num_parts)
-            part_max = tl.load(max_ptrs + part, mask=valid, other=0.0)
+            part_max = tl.load(max_ptrs + part, mask=valid, other=0.0, cache_modifier=CACHE)
+            part_sum = tl.load(sum_ptrs + part, mask=valid, other=0.0, cache_modifier=CACHE)
             weight = tl.where(valid, tl.exp2(part_max - global_max), 0.0)
-            total = tl.fma(tl.load(sum_ptrs + part, mask=valid, other=0.0), weight, total)
+            total = tl.fma(part_sum, weight, total)
             out_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
             offsets = out_ptrs[:, None] + part * HEAD_DIM + dims[None, :]
-            acc = tl.fma(tl.load(offsets, mask=out_mask, other=0.0), weight[:, None], acc)
+            part_out = tl.load(offsets, mask=out_mask, other=0.0, cache_modifier=CACHE)
+            acc = tl.fma(part_out, weight[:, None], acc)
     return acc / tl.where(total > 0, total, 1.0)[:, None]  # a partition's sum is >= 1

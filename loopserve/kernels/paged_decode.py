@@ -43,16 +43,19 @@ class DecodeWorkspace:
     partial_out: torch.Tensor  # [S, Nq, parts, D] unnormalised sum of p * v
     partial_max: torch.Tensor  # [S, Nq, parts] max of the log2-scaled scores
     partial_sum: torch.Tensor  # [S, Nq, parts] sum of p
+    arrivals: torch.Tensor  # [S, Nq] int32 programs of a (row, head program) done; 0 at rest
 
 
 def new_workspace(
     rows: int, num_heads: int, head_dim: int, partitions: int, device: torch.device
 ) -> DecodeWorkspace:
-    """Contiguous partials: partial_out's part stride is head_dim, the scalars' part stride is 1."""
+    """Contiguous partials: partial_out's part stride is head_dim, the scalars' part stride is 1.
+    Arrival counts start at 0 (the kernel leaves them at 0)."""
     return DecodeWorkspace(
         partial_out=torch.empty(rows, num_heads, partitions, head_dim, device=device),
         partial_max=torch.empty(rows, num_heads, partitions, device=device),
         partial_sum=torch.empty(rows, num_heads, partitions, device=device),
+        arrivals=torch.zeros(rows, num_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -144,6 +147,7 @@ def _decode_kernel(
     partial_out_ptr,  # [S, Nq, parts, D] fp32
     partial_max_ptr,  # [S, Nq, parts] fp32
     partial_sum_ptr,  # [S, Nq, parts] fp32
+    arrivals_ptr,  # [S, head programs] int32, 0 between launches (read only with LAST_COMBINES)
     scale_log2,
     num_split_programs,
     stride_q_token,
@@ -160,6 +164,7 @@ def _decode_kernel(
     stride_partial_head,
     stride_scalar_row,  # partial_max / partial_sum strides; their part stride is 1
     stride_scalar_head,
+    stride_arrivals_row,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEADS: tl.constexpr,  # query heads per program (a power of two)
@@ -175,6 +180,8 @@ def _decode_kernel(
     UPCAST: tl.constexpr,  # dots in fp32 (only under the CPU interpreter)
     WRITE_KV: tl.constexpr,  # store the row's new K/V before reading (instead of kv_write)
     COMBINE: tl.constexpr,  # one program per row: combine here (num_split_programs == 1)
+    LAST_COMBINES: tl.constexpr,  # the last of a row's programs to finish combines it
+    PARTIALS_CACHE: tl.constexpr,  # ".cg" with LAST_COMBINES (other programs' partials)
 ):
     row = tl.program_id(0)
     split = tl.program_id(2)
@@ -218,17 +225,45 @@ def _decode_kernel(
             num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
             stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
         )  # fmt: skip
-    # A row with one partition is finished here by split 0, whatever the split count.
-    if (split == 0) & ((num_parts <= 1) | COMBINE):
+    finish = _finishes_row(
+        arrivals_ptr + row.to(tl.int64) * stride_arrivals_row + tl.program_id(1), split,
+        num_split_programs, num_parts, COMBINE, LAST_COMBINES,
+    )  # fmt: skip
+    if finish:
         tl.debug_barrier()  # partials stored by other threads of this program are visible
         out = combine_partials(
             partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
             partial_sum_ptr + scalar_rows, num_parts, in_group < GROUP, HEADS, HEAD_DIM, BLOCK_D,
+            PARTIALS_CACHE,
         )  # fmt: skip
         stored_heads = tl.where(query_len == 1, GROUP, 0)  # rows of other query lengths: none
         mask = (in_group < stored_heads)[:, None] & (dims < HEAD_DIM)[None, :]
         out_offsets = token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finishes_row(
+    arrivals_ptr, split, num_split_programs, num_parts, COMBINE: tl.constexpr,
+    LAST_COMBINES: tl.constexpr,
+):  # fmt: skip
+    """Whether this program folds the row's partials (the same fold whichever program does).
+
+    One program per row: it does. LAST_COMBINES: the last of the row's programs to arrive (an
+    acq_rel atomic per program after a CTA barrier; the last one reads the others' partials
+    past L1 and resets the count for the next launch). Otherwise split 0 finishes rows of one
+    partition and the combine kernel the rest.
+    """
+    if COMBINE:
+        return split == 0
+    if LAST_COMBINES:
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+        last = arrived == num_split_programs - 1
+        if last:
+            tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+        return last
+    return (split == 0) & (num_parts <= 1)
 
 
 @triton.jit
@@ -262,7 +297,7 @@ def _combine_kernel(
         one = tl.arange(0, 1)
         out = combine_partials(
             partial_out_ptr + partial_row + one, partial_max_ptr + scalar_row + one,
-            partial_sum_ptr + scalar_row + one, num_parts, one == 0, 1, HEAD_DIM, BLOCK_D,
+            partial_sum_ptr + scalar_row + one, num_parts, one == 0, 1, HEAD_DIM, BLOCK_D, "",
         )  # fmt: skip
         dims = tl.arange(0, BLOCK_D)
         out_offsets = (
@@ -285,13 +320,15 @@ def paged_decode_attention(
     num_split_programs: int,
     tiling: DecodeTiling,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    last_program_combines: bool = False,
 ) -> None:
     """Attention of every one-token row over its pages into `out`; other rows are left alone.
 
     `new_kv` ([T, Nkv, D] keys and values of this pass): the kernel stores each decode row's new
     K/V into its slot itself (no separate `kv_write`); only for passes where every row has one
-    query token. Reads only device tensors of `metadata` (never its host lists), so it can be
-    graph-captured.
+    query token. `last_program_combines`: when rows are shared by several programs, the last
+    one to finish folds the row (no combine launch). Reads only device tensors of `metadata`
+    (never its host lists), so it can be graph-captured.
     """
     if new_kv is not None and metadata.max_query_len != 1:
         raise ValueError("the decode kernel writes new K/V only in passes of one-token rows")
@@ -303,11 +340,12 @@ def paged_decode_attention(
         return
     if q.stride(-1) != 1:
         q = q.contiguous()
+    last_combines = last_program_combines and num_split_programs > 1
     _launch_decode(
         q, key_cache, value_cache, metadata, out, workspace, scale, num_split_programs, tiling,
-        new_kv,
+        new_kv, last_combines,
     )  # fmt: skip
-    if num_split_programs > 1:
+    if num_split_programs > 1 and not last_combines:
         _launch_combine(out, metadata, workspace, tiling)
 
 
@@ -322,6 +360,7 @@ def _launch_decode(
     num_split_programs: int,
     tiling: DecodeTiling,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    last_combines: bool,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -337,12 +376,13 @@ def _launch_decode(
     _decode_kernel[grid](
         q, k_new, v_new, key_cache, value_cache,
         metadata.query_start, metadata.seq_lens, metadata.page_table, metadata.slot_mapping,
-        out, partial_out, partial_max, workspace.partial_sum,
+        out, partial_out, partial_max, workspace.partial_sum, workspace.arrivals,
         scale * LOG2_E, num_split_programs,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         metadata.page_table.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_max.stride(0), partial_max.stride(1),
+        workspace.arrivals.stride(0),
         BLOCK_SIZE=key_cache.shape[1],
         GROUP=num_heads // num_kv_heads,
         HEADS=tiling.heads_per_program,
@@ -358,6 +398,8 @@ def _launch_decode(
         UPCAST=q.device.type == "cpu",
         WRITE_KV=new_kv is not None,
         COMBINE=num_split_programs == 1,
+        LAST_COMBINES=last_combines,
+        PARTIALS_CACHE=".cg" if last_combines else "",
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )  # fmt: skip

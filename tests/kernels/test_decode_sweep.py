@@ -9,30 +9,32 @@ import torch
 
 from loopserve.bench import decode_sweep as sweep_module
 from loopserve.bench import decode_sweep_report as report
-from loopserve.bench.decode_sweep import Sweep, run_sweep
+from loopserve.bench.decode_sweep import Sweep, fixed_schedule, run_sweep
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
 
 ROWS, CONTEXTS = (1, 32), (640, 8192)
 DEFAULT = dataclasses.asdict(DecodeSchedule())
 
 
-def _record(name: str, rows: int, context: int, us: float, covers=(), default=False, **extra):
-    schedule = DEFAULT if default else {"programs_per_sm": ((1 << 30, 0.0),), "fuse_kv_write": True}
+def _record(name: str, rows: int, context: int, us: float, covers=(), default=False, last=False):
+    schedule = dataclasses.asdict(fixed_schedule(covers[0], last_program_combines=last))
     record = {"variant": name, "rows": rows, "context": context, "us": us, "tbps": 1.0}
-    record |= {"schedule": schedule, "covers_programs_per_sm": list(covers)}
-    return record | {"max_abs_diff_vs_before": 0.01, **extra}
+    record |= {"schedule": DEFAULT if default else schedule, "covers_programs_per_sm": list(covers)}
+    return record | {"max_abs_diff_vs_before": 0.01, "splits": 2}
 
 
 def _records() -> list[dict]:
-    """Tiling A is best under the default schedule; with schedules, B wins at 1 row."""
+    """Tiling A is best under the default schedule; with schedules, B wins at 1 row; the last
+    program combining is slower for both."""
     records = []
     for rows in ROWS:
         for context in CONTEXTS:
-            records.append(_record(report.BASELINE, rows, context, 100.0))
+            records.append(_record(report.BASELINE, rows, context, 100.0, covers=(0.0,)))
             records.append(_record("A", rows, context, 10.0, covers=(4.0,), default=True))
             records.append(_record("B", rows, context, 12.0, covers=(4.0,), default=True))
             records.append(_record("A", rows, context, 11.0, covers=(0.0, 1.0)))
             records.append(_record("B", rows, context, 5.0 if rows == 1 else 20.0, covers=(0.0,)))
+            records.append(_record("B", rows, context, 30.0, covers=(4.0,), last=True))
     return records
 
 
@@ -41,9 +43,16 @@ def test_rank_uses_the_default_schedule() -> None:
 
 
 def test_choose_picks_one_tiling_and_a_schedule_per_row_count() -> None:
-    name, per_rows = report.choose(_records(), ROWS, CONTEXTS)
+    name, per_rows, last = report.choose(_records(), ROWS, CONTEXTS)
     # B: 5 µs at 1 row (0 programs per SM), 12 at 32 rows (default, 4) -> geomean 7.7 < A's 10
-    assert name == "B" and per_rows == {1: 0.0, 32: 4.0}
+    assert name == "B" and per_rows == {1: 0.0, 32: 4.0} and last is False
+
+
+def test_choose_takes_the_last_program_combining_when_faster() -> None:
+    records = _records() + [
+        _record("A", r, c, 1.0, (2.0,), last=True) for r in ROWS for c in CONTEXTS
+    ]
+    assert report.choose(records, ROWS, CONTEXTS) == ("A", {1: 2.0, 32: 2.0}, True)
 
 
 def test_wrong_outputs_and_errors_are_not_ranked() -> None:
@@ -55,7 +64,8 @@ def test_wrong_outputs_and_errors_are_not_ranked() -> None:
     tilings = {"A": DecodeTiling(False, 1, 32), "B": DecodeTiling(False, 1, 16)}
     summary = report.summary(records, ROWS, CONTEXTS, tilings)
     assert summary["tiling_name"] == "A"
-    assert summary["schedule"] == {"programs_per_sm": [[1, 4.0], [32, 4.0]], "fuse_kv_write": True}
+    schedule = {"programs_per_sm": [[1, 4.0], [32, 4.0]], "fuse_kv_write": True}
+    assert summary["schedule"] == schedule | {"last_program_combines": False}
     assert "C" in summary["errors"] and any("B" in error for error in summary["errors"])
     DecodeTiling(**summary["tiling"])  # pastes back into the dataclass
 

@@ -203,9 +203,10 @@ def _check_tiling(
 
     The first run writes this pass's K/V itself (the slots hold NaN until then)."""
     outs = []
-    schedules = [(0.0, True), (8.0, True), (4.0, True)] + [(2.0, False)] * separate_write
-    for per_sm, fused_write in schedules:
-        backend = _backend(shape, tiling, fixed_schedule(per_sm, fused_write))
+    schedules = [(0.0, True, False), (8.0, True, False), (4.0, True, True)]
+    schedules += [(2.0, False, False)] * separate_write
+    for per_sm, fused_write, last in schedules:
+        backend = _backend(shape, tiling, fixed_schedule(per_sm, fused_write, last))
         outs.append(_run(backend, batch))
     torch.testing.assert_close(outs[0].double().cpu(), expected, **tolerance(shape.dtype))
     for out in outs[1:]:

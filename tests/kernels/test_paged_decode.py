@@ -48,6 +48,7 @@ def _decode(
     splits: int,
     *,
     fused_write: bool = False,
+    last_combines: bool = False,
     only_row: int | None = None,
 ) -> torch.Tensor:
     """Decode output [T, Nq, D] of the batch (or of row `only_row` alone) into a poisoned out.
@@ -75,7 +76,9 @@ def _decode(
         num_split_programs=splits,
         tiling=tiling,
         new_kv=(k, v) if fused_write else None,
+        last_program_combines=last_combines,
     )
+    assert not workspace.arrivals.any()  # the last program of a row leaves its count at 0
     return out
 
 
@@ -144,11 +147,13 @@ def test_fused_kv_write_and_combine(path: str, device: torch.device) -> None:
 @pytest.mark.parametrize("shape", [MHA, GQA], ids=str)
 def test_decode_is_batch_invariant(shape: HeadShape, path: str, device: torch.device) -> None:
     """A row's output is bitwise the same alone, in a batch, for any programs-per-row, with the
-    combine in the kernel or separate, and with the K/V write fused or not."""
+    fold in the decode kernel (one program per row, or the last one of the row) or separate,
+    and with the K/V write fused or not."""
     batch = _written(build_batch(DECODE_SPECS["long_rows"], shape, device))
     tiling = PATHS[path]
     in_batch = [_decode(batch, tiling, splits) for splits in (1, 2, 5)]
     in_batch.append(_decode(batch, tiling, 3, fused_write=True))
+    in_batch.append(_decode(batch, tiling, 3, last_combines=True))
     for index in (0, 1):  # 300 and 77 tokens: several partitions each
         alone = _decode(batch, tiling, splits=4, only_row=index)
         for out in in_batch:
@@ -190,10 +195,11 @@ SWEEP_ROWS = [Row(300), Row(129), Row(1), Row(0), Row(64)]
 @pytest.mark.parametrize("tiling", _result_tilings(), ids=str)
 def test_sweep_tilings(tiling: DecodeTiling, device: torch.device) -> None:
     """Every tiling the sweep launches (its Ouro head count scaled to a CPU shape): correct with
-    the combine separate and fused, and bitwise equal across the two."""
+    the fold in the kernel, separate, or by the last program, bitwise equal across them."""
     shape = GQA if tiling.tensor_cores else MHA_FP32
     batch = build_batch(SWEEP_ROWS, shape, device, seed=11)
     fused = _decode(batch, tiling, splits=1, fused_write=True)
     _assert_matches(fused, batch, shape.dtype)
     split = _decode(batch, tiling, splits=2)  # the K/V are in the cache now
     assert torch.equal(fused, split)
+    assert torch.equal(fused, _decode(batch, tiling, splits=3, last_combines=True))
