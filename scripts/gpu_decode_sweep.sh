@@ -82,10 +82,11 @@ if [ "$SMALL_TESTS" = 1 ]; then
     -rs --durations=5 -p no:cacheprovider
 fi
 
+test_results="$(grep -E "(passed|failed|error|deselected) in " "$TESTS_LOG" | grep -v '^[={]')"
 {
   echo "== sweep tables and summary (again, so that they end the output)"
   cat "$TABLES" "$OUT/decode_sweep_summary.json" 2>/dev/null || echo "(no sweep tables)"
-  grep -E "passed|failed|error" "$TESTS_LOG" | grep -v "^==" | tail -n 5
+  echo "== pytest: $test_results"
   echo "== done: exit $status; $(wc -l <"$SWEEP_JSONL" 2>/dev/null || echo 0) sweep records"
 } | tee -a "$TESTS_LOG"
 exit "$status"

@@ -212,8 +212,8 @@ def measure(
     workload: ShapeWorkload, variant: Variant, rows: int, context: int, sweep: Sweep
 ) -> dict[str, object]:
     """One JSON record: µs per layer, TB/s and fraction of the copy ceiling, the largest
-    difference of the last layer's output to the old kernel's (`workload.reference`), or the
-    error."""
+    difference of the last layer's output to the old kernel's (`workload.reference`; relative:
+    over its largest magnitude), or the error."""
     from loopserve.bench.kernels import COPY_BANDWIDTH
 
     record: dict[str, object] = {"bench": "decode_sweep", "variant": variant.name}
@@ -227,7 +227,9 @@ def measure(
         timer = graph_timer if sweep.settings.device.type == "cuda" else _wall_ms
         seconds = timer(step) / 1e3 / workload.layers
         assert workload.reference is not None
-        difference = (workload.out.float() - workload.reference.float()).abs().max().item()
+        reference = workload.reference.float()
+        difference = (workload.out.float() - reference).abs().max().item()
+        relative = difference / max(reference.abs().max().item(), 1e-6)
     except Exception as error:  # one bad variant must not hide the others
         return record | {"error": repr(error)[:500]}
     moved = decode_bytes(rows, context, sweep.settings.shape)
@@ -237,6 +239,7 @@ def measure(
         "tbps": moved / seconds / 1e12,
         "fraction_of_copy": moved / seconds / COPY_BANDWIDTH,
         "max_abs_diff_vs_before": difference,
+        "relative_diff_vs_before": relative,  # over the old output's largest magnitude
     }
 
 

@@ -20,7 +20,7 @@ def _record(name: str, rows: int, context: int, us: float, covers=(), default=Fa
     schedule = dataclasses.asdict(fixed_schedule(covers[0], last_program_combines=last))
     record = {"variant": name, "rows": rows, "context": context, "us": us, "tbps": 1.0}
     record |= {"schedule": DEFAULT if default else schedule, "covers_programs_per_sm": list(covers)}
-    return record | {"max_abs_diff_vs_before": 0.01, "splits": 2}
+    return record | {"relative_diff_vs_before": 0.01, "splits": 2}
 
 
 def _records() -> list[dict]:
@@ -59,7 +59,7 @@ def test_wrong_outputs_and_errors_are_not_ranked() -> None:
     records = _records()
     for record in records:
         if record["variant"] == "B":
-            record["max_abs_diff_vs_before"] = float("nan")
+            record["relative_diff_vs_before"] = float("nan")
     records.append({"variant": "C", "rows": 1, "context": 640, "error": "boom"})
     tilings = {"A": DecodeTiling(False, 1, 32), "B": DecodeTiling(False, 1, 16)}
     summary = report.summary(records, ROWS, CONTEXTS, tilings)
@@ -98,7 +98,7 @@ def test_tiny_sweep_runs_every_stage(device: torch.device) -> None:
     assert lines == records and not [r for r in records if "error" in r]
     variants = {r["variant"] for r in records}
     assert variants == {report.BASELINE, "lanes", "lanes (separate kv_write)"}
-    assert all(r["max_abs_diff_vs_before"] < 0.05 for r in records)
+    assert all(r["relative_diff_vs_before"] < 0.05 for r in records)
     assert report.summary(records, sweep.rows, sweep.contexts, tilings)["tiling_name"] == "lanes"
 
 
