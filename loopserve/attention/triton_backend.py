@@ -30,6 +30,7 @@ from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 
 if TYPE_CHECKING:
+    from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
     from loopserve.kernels.paged_decode import DecodeWorkspace
 
 
@@ -45,7 +46,7 @@ class _Plan:
     metadata: AttentionMetadata
     decode_only: bool  # every row has one query token: no host lists are read
     has_decode_rows: bool
-    num_split_programs: int
+    num_split_programs: int  # from the row count only (DecodeSchedule)
     prefill_tiles: torch.Tensor | None  # [tiles, 2] int32 (sequence, first query); None if none
     num_query_tokens: int | None  # query_start_host[-1]; None on the decode-only path
 
@@ -63,13 +64,22 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_packed_prefill = True
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        *,
+        decode_tiling: DecodeTiling | None = None,
+        decode_schedule: DecodeSchedule | None = None,
+    ) -> None:
+        """`decode_tiling` / `decode_schedule` override the defaults (the decode sweep does)."""
         super().__init__(spec)
-        from loopserve.kernels.paged_decode import DecodeTiling
+        from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
         from loopserve.kernels.paged_prefill import PrefillTiling
 
         group = spec.num_heads // spec.num_kv_heads
-        self.decode_tiling = DecodeTiling.for_shape(group, spec.head_size)
+        # Fixed per shape (a row's bits depend on it); the schedule only picks programs per row.
+        self.decode_tiling = decode_tiling or DecodeTiling.for_shape(group, spec.head_size)
+        self.decode_schedule = decode_schedule or DecodeSchedule()
         self.prefill_tiling = PrefillTiling.for_shape(spec.head_size, spec.dtype)
         self._plan: _Plan | None = None
         self._workspaces = _DecodeWorkspacePool(
@@ -94,19 +104,27 @@ class TritonAttentionBackend(AttentionBackend):
             return ["triton is not installed (pip install 'loopserve[triton]')"]
         return []
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        from loopserve.kernels.paged_decode import split_programs
+    def decode_split_programs(self, metadata: AttentionMetadata) -> int:
+        """Programs per (row, head program) of the decode grid: from shapes and the row count."""
+        partitions = self.decode_tiling.partitions_bound(
+            metadata.page_table.shape[1] * self.spec.block_size
+        )
+        head_programs = self.decode_tiling.head_programs(
+            self.spec.num_heads, self.spec.num_kv_heads
+        )
+        rows, device = metadata.seq_lens.shape[0], metadata.seq_lens.device
+        return self.decode_schedule.num_split_programs(
+            rows, head_programs, partitions, _sm_count(device)
+        )
 
+    def prepare(self, metadata: AttentionMetadata) -> None:
         rows = metadata.seq_lens.shape[0]
         device = metadata.seq_lens.device
         partitions = self.decode_tiling.partitions_bound(
             metadata.page_table.shape[1] * self.spec.block_size
         )
         self._workspaces.reserve(rows, partitions, device)
-        head_programs = self.decode_tiling.head_programs(
-            self.spec.num_heads, self.spec.num_kv_heads
-        )
-        splits = split_programs(rows, head_programs, partitions, _target_programs(device))
+        splits = self.decode_split_programs(metadata)
         if metadata.is_decode:
             self._plan = _Plan(metadata, True, True, splits, None, None)
             return
@@ -162,17 +180,20 @@ class TritonAttentionBackend(AttentionBackend):
         plan = self._plan
         assert plan is not None
         key_cache, value_cache = kv.key_cache(layer), kv.value_cache(layer)
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         if plan.decode_only and q.shape[0] != metadata.seq_lens.shape[0]:
             raise ValueError(
                 f"decode pass with {q.shape[0]} tokens for {metadata.num_sequences} rows"
             )
+        fused_write = plan.decode_only and self.decode_schedule.fuse_kv_write
+        if not fused_write:
+            write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         if plan.has_decode_rows:
             workspace = self._workspaces.view(metadata.seq_lens.shape[0])
             paged_decode_attention(
                 q, key_cache, value_cache, metadata, out, workspace,
                 scale=self.scale, num_split_programs=plan.num_split_programs,
-                tiling=self.decode_tiling,
+                tiling=self.decode_tiling, new_kv=(k, v) if fused_write else None,
+                last_program_combines=self.decode_schedule.last_program_combines,
             )  # fmt: skip
         if plan.prefill_tiles is not None:
             paged_prefill_attention(
@@ -218,17 +239,18 @@ class _DecodeWorkspacePool:
             partial_out=current.partial_out[:rows],
             partial_max=current.partial_max[:rows],
             partial_sum=current.partial_sum[:rows],
+            arrivals=current.arrivals[:rows],
         )
 
 
 _SM_COUNTS: dict[int, int] = {}
 
 
-def _target_programs(device: torch.device) -> int:
-    """Programs that keep every SM busy with a few resident programs each."""
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 in the interpreter (a few programs per row)."""
     if device.type != "cuda":
-        return 4  # the interpreter: small, but enough to split rows across programs
+        return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return 4 * _SM_COUNTS[index]
+    return _SM_COUNTS[index]

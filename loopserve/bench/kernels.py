@@ -13,6 +13,7 @@ use it). Each timed call runs `layers` layers of distinct KV, at least 512 MiB i
 
 Usage: python -m loopserve.bench.kernels [--quick] [--out FILE]
        python -m loopserve.bench.kernels --smoke  (tiny shapes in the CPU interpreter; code check)
+Decode tilings and schedules: python -m loopserve.bench.decode_sweep (see there).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +123,7 @@ def _spec(shape: KernelShape, device: torch.device) -> AttentionSpec:
     )
 
 
-def _build(seq_lens: list[int], query_lens: list[int], settings: BenchSettings) -> Workload:
+def build_workload(seq_lens: list[int], query_lens: list[int], settings: BenchSettings) -> Workload:
     """Rows with contexts `seq_lens` whose last `query_lens` tokens are new, over permuted pages."""
     shape, device = settings.shape, settings.device
     element = torch.empty((), dtype=shape.dtype).element_size()
@@ -204,10 +206,10 @@ def _compare(workload: Workload, timer: Timer, queries: torch.Tensor, causal: bo
     return figures
 
 
-def bench_decode(batch: int, context: int, settings: BenchSettings, **tiling: int) -> dict:
+def bench_decode(batch: int, context: int, settings: BenchSettings, **tiling: Any) -> dict:
     """Decode rows of one query token over `context` tokens each (tiling: DecodeTiling fields)."""
     shape = settings.shape
-    workload = _build([context] * batch, [1] * batch, settings)
+    workload = build_workload([context] * batch, [1] * batch, settings)
     workload.backend.decode_tiling = dataclasses.replace(workload.backend.decode_tiling, **tiling)
     queries = workload.q.view(batch, 1, *workload.q.shape[1:]).transpose(1, 2).contiguous()
     figures = _compare(workload, settings.timer, queries, causal=False)
@@ -233,7 +235,7 @@ def bench_decode(batch: int, context: int, settings: BenchSettings, **tiling: in
 def bench_prefill(prompts: int, prompt_len: int, settings: BenchSettings, **tiling: int) -> dict:
     """`prompts` whole prompts of `prompt_len` tokens packed in one pass (tiling: PrefillTiling)."""
     shape = settings.shape
-    workload = _build([prompt_len] * prompts, [prompt_len] * prompts, settings)
+    workload = build_workload([prompt_len] * prompts, [prompt_len] * prompts, settings)
     workload.backend.prefill_tiling = dataclasses.replace(workload.backend.prefill_tiling, **tiling)
     rows = workload.q.view(prompts, prompt_len, *workload.q.shape[1:])
     queries = rows.transpose(1, 2).contiguous()  # [prompts, Nq, L, D]
@@ -284,13 +286,6 @@ def wall_timer(fn: Callable[[], object]) -> dict[str, float]:
     }
 
 
-DECODE_CANDIDATES = (  # DecodeTiling overrides tried at batch 1 and 128, context 4096
-    {"block_n": 32, "num_warps": 4},
-    {"block_n": 64, "num_warps": 8},
-    {"block_n": 128, "num_warps": 8},
-    {"partition_min": 128},
-    {"partition_min": 512},
-)
 PREFILL_CANDIDATES = (  # PrefillTiling overrides tried on 1 and 8 prompts of 1024 tokens
     {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
     {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 3},
@@ -299,7 +294,10 @@ PREFILL_CANDIDATES = (  # PrefillTiling overrides tried on 1 and 8 prompts of 10
 
 
 def configs(quick: bool) -> Iterator[Config]:
-    """The standard H200 run: Ouro-shaped decode and prefill, then tiling candidates."""
+    """The standard H200 run: Ouro-shaped decode and prefill, then prefill tiling candidates.
+
+    Decode tilings and schedules are swept by `loopserve.bench.decode_sweep`.
+    """
     batches = (1, 128) if quick else (1, 32, 128)
     contexts = (1024, 8192) if quick else (512, 1024, 2048, 4096, 8192)
     for batch in batches:
@@ -309,9 +307,6 @@ def configs(quick: bool) -> Iterator[Config]:
     yield bench_prefill, (8, 1024), {}
     if quick:
         return
-    for batch in (1, 128):
-        for tiling in DECODE_CANDIDATES:
-            yield bench_decode, (batch, 4096), tiling
     for prompts in (1, 8):
         for tiling in PREFILL_CANDIDATES:
             yield bench_prefill, (prompts, 1024), tiling
@@ -326,7 +321,7 @@ SMOKE_SETTINGS = BenchSettings(
 
 
 def smoke_configs() -> Iterator[Config]:
-    yield bench_decode, (1, 40), {"partition_min": 16}
+    yield bench_decode, (1, 40), {"partition_min": 16, "block_n": 16}
     yield bench_decode, (3, 100), {"block_n": 16}
     yield bench_prefill, (1, 48), {}
     yield bench_prefill, (2, 20), {"block_m": 16, "block_n": 16}

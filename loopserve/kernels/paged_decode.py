@@ -1,17 +1,21 @@
 """Triton paged decode attention: one query token per row over that row's own page table.
 
-Owns: the two decode kernels (per-partition attention, then an ordered combine), the workspace
-they share and the rule that picks how many programs share a row. Must not: read host copies of
-lengths or sync with the device; the launch grid depends only on the number of rows and on
-shapes, so a decode step can be captured in a CUDA graph for a fixed padded row count.
+Owns: the decode kernel (a program streams its partitions of a row; it can store the row's new
+K/V first, and it combines the row itself when it is the row's only program), the combine kernel
+for rows whose partitions were shared out, and the workspace they share. The tiling, partition
+and split rules are `decode_plan.py`; the tile loops and the fold are `decode_tiles.py`. Must not:
+read host copies of lengths or sync with the device; the launch grid depends only on the number
+of rows and on shapes, so a decode step can be captured in a CUDA graph for a fixed padded row
+count.
 
-Batch invariance. A row of length L is cut into partitions of `partition_size(L)` tokens: the
-smallest `partition_min * 2**k` that gives at most `max_partitions` partitions. That depends on
-L alone. Each partition is reduced by one program in a fixed tile order (online softmax, fp32)
-into a partial (max, sum, unnormalised output); the combine kernel folds the partials in
-partition order. How many programs share a row (`num_split_programs`, chosen from the row count
-to fill the GPU) only changes *which* program computes a partition, never how, so a row's bits do
-not depend on the batch it is in.
+Batch invariance. A row of length L is cut into partitions whose size depends on L alone. Each
+partition is reduced in a fixed tile order (online softmax, fp32) into a partial (max, sum,
+unnormalised output), and partials are folded in partition order by one function,
+`combine_partials`, whichever program runs it. How many programs share a row
+(`num_split_programs`, chosen from the row count) only changes *which* program reduces a
+partition and whether the fold runs in the decode program or in the combine kernel, never the
+arithmetic, so a row's bits do not depend on the batch it is in. `DecodeTiling` (tile shape and
+math) is fixed per model shape; it must never be chosen from the row count.
 
 Rows whose query length is not 1 (prompt chunks of a mixed batch) are skipped and their outputs
 left alone; rows of length 0 (padding) produce zeros.
@@ -25,11 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.kernels.decode_plan import DecodeTiling
+from loopserve.kernels.decode_tiles import combine_partials, dot_tiles, lane_tiles
 from loopserve.kv.metadata import AttentionMetadata
 
-# Partition sizes start here and double until a row has at most MAX_PARTITIONS partitions.
-PARTITION_MIN = 256
-MAX_PARTITIONS = 32
 LOG2_E = 1.4426950408889634
 
 
@@ -38,195 +41,233 @@ class DecodeWorkspace:
     """fp32 partials of every (row, query head, partition); shared by all layers of a pass."""
 
     partial_out: torch.Tensor  # [S, Nq, parts, D] unnormalised sum of p * v
-    partial_max: torch.Tensor  # [S, Nq, parts] running max of the log2-scaled scores
+    partial_max: torch.Tensor  # [S, Nq, parts] max of the log2-scaled scores
     partial_sum: torch.Tensor  # [S, Nq, parts] sum of p
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeTiling:
-    """How the KV axis is cut (which changes results) and how programs are shaped (which does not).
-
-    `partition_min` / `max_partitions` fix every row's partitions; tests shrink them to reach many
-    partitions on tiny contexts. `heads_per_program`, `block_n`, `num_warps` shape the programs.
-    """
-
-    heads_per_program: int
-    block_n: int
-    num_warps: int = 4
-    partition_min: int = PARTITION_MIN
-    max_partitions: int = MAX_PARTITIONS
-
-    @staticmethod
-    def for_shape(group: int, head_dim: int) -> DecodeTiling:
-        heads = min(8, triton.next_power_of_2(group))
-        block_d = triton.next_power_of_2(head_dim)
-        # Keep the [heads, tokens, dims] product tile near 64 fp32 values per thread.
-        block_n = max(16, min(64, 8192 // (heads * block_d)))
-        num_warps = 4 if heads * block_n * block_d <= 8192 else 8
-        return DecodeTiling(heads_per_program=heads, block_n=block_n, num_warps=num_warps)
-
-    def head_programs(self, num_heads: int, num_kv_heads: int) -> int:
-        """Programs per row on the head axis; each covers `heads_per_program` heads of a group."""
-        group = num_heads // num_kv_heads
-        return num_kv_heads * -(-group // self.heads_per_program)
-
-    def partitions_bound(self, max_context: int) -> int:
-        """Most partitions a row of at most `max_context` tokens can have (>= 1)."""
-        return max(1, min(self.max_partitions, -(-max_context // self.partition_min)))
+    arrivals: torch.Tensor  # [S, Nq] int32 programs of a (row, head program) done; 0 at rest
 
 
 def new_workspace(
     rows: int, num_heads: int, head_dim: int, partitions: int, device: torch.device
 ) -> DecodeWorkspace:
-    """Contiguous partials: partial_out's part stride is head_dim, the scalars' part stride is 1."""
+    """Contiguous partials: partial_out's part stride is head_dim, the scalars' part stride is 1.
+    Arrival counts start at 0 (the kernel leaves them at 0)."""
     return DecodeWorkspace(
         partial_out=torch.empty(rows, num_heads, partitions, head_dim, device=device),
         partial_max=torch.empty(rows, num_heads, partitions, device=device),
         partial_sum=torch.empty(rows, num_heads, partitions, device=device),
+        arrivals=torch.zeros(rows, num_heads, dtype=torch.int32, device=device),
     )
 
 
-def split_programs(rows: int, head_programs: int, partitions: int, target_programs: int) -> int:
-    """Programs per (row, head program): enough to reach `target_programs`, at most `partitions`."""
-    wanted = -(-target_programs // max(1, rows * head_programs))
-    return max(1, min(partitions, wanted))
-
-
 @triton.jit
-def _partition_size(seq_len, PARTITION_MIN: tl.constexpr, MAX_PARTITIONS: tl.constexpr):
-    size = seq_len * 0 + PARTITION_MIN
-    for _ in tl.static_range(20):
-        size = tl.where(tl.cdiv(seq_len, size) > MAX_PARTITIONS, size * 2, size)
-    return size
+def _partition_doublings(seq_len, PARTITION_MIN: tl.constexpr, MAX_PARTITIONS: tl.constexpr):
+    """k such that PARTITION_MIN << k, the row's partition size, is the smallest power-of-two
+    multiple of PARTITION_MIN that cuts seq_len into at most MAX_PARTITIONS partitions."""
+    doublings = seq_len * 0
+    while (PARTITION_MIN * MAX_PARTITIONS << doublings) < seq_len:
+        doublings += 1
+    return doublings
 
 
 @triton.jit
 def _decode_row(query_start_ptr, seq_lens_ptr, row):
-    """(query token index, decode length): the length is 0 unless the row has one query token."""
+    """(query token index, query length, decode length: 0 unless the row has one query token)."""
     token = tl.load(query_start_ptr + row)
     query_len = tl.load(query_start_ptr + row + 1) - token
     seq_len = tl.load(seq_lens_ptr + row)
-    return token.to(tl.int64), tl.where(query_len == 1, seq_len, 0)
+    return token.to(tl.int64), query_len, tl.where(query_len == 1, seq_len, 0)
 
 
 @triton.jit
-def _attend_partition(
-    q,  # [H, BLOCK_D] fp32, already multiplied by scale * log2(e)
-    k_ptr,
-    v_ptr,
-    table_row_ptr,
-    begin,
-    end,
-    kv_head_offset,
-    dims,
-    dim_valid,
+def _program_tiles(
+    seq_len, split, num_split_programs, part_size, tile_shift, BLOCK_N: tl.constexpr
+):
+    """(tiles this program reduces, 1 if its last one is partial else 0, partitions of the row,
+    whether it owns the row's last partition).
+
+    Program `split` owns partitions split, split + splits, ...; each has 1 << tile_shift tiles
+    (part_size / BLOCK_N) but the row's last, which has the rest of its ceil(L / BLOCK_N) tiles.
+    """
+    num_parts = (seq_len + part_size - 1) // part_size
+    owned = tl.maximum(num_parts - split + num_split_programs - 1, 0) // num_split_programs
+    owns_last = (num_parts > 0) & ((num_parts - 1) % num_split_programs == split)
+    missing = (num_parts << tile_shift) - (seq_len + BLOCK_N - 1) // BLOCK_N  # not in the last
+    num_tiles = (owned << tile_shift) - tl.where(owns_last, missing, 0)
+    tail = tl.where(owns_last & (seq_len % BLOCK_N != 0), 1, 0)
+    return num_tiles, tail, num_parts, owns_last
+
+
+@triton.jit
+def _write_new_kv(
+    k_new_ptr,  # [T, Nkv, D]
+    v_new_ptr,  # [T, Nkv, D]
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,  # [T] int64
+    token,
+    kv_head,
+    write,  # scalar bool: this program reads the row's last token
+    stride_new_token,
+    stride_new_head,
     stride_cache_page,
     stride_cache_offset,
+    stride_cache_head,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Online softmax over tokens [begin, end) in tiles of BLOCK_N; begin < end."""
-    running_max = tl.full([HEADS], float("-inf"), tl.float32)
-    running_sum = tl.zeros([HEADS], tl.float32)
-    acc = tl.zeros([HEADS, BLOCK_D], tl.float32)
-    for start in range(begin, end, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        valid = tokens < end  # the first token of every tile is valid
-        pages = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = pages * stride_cache_page + (tokens % BLOCK_SIZE) * stride_cache_offset
-        offsets = kv_head_offset + rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        mask = valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # in flight with k
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [H, BLOCK_N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])  # [H, BLOCK_N]
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        running_max = new_max
-    return running_max, running_sum, acc
+    """The row's new K/V into its slot (as `kv_write` does), visible to this program after."""
+    dims = tl.arange(0, BLOCK_D)
+    mask = dims < tl.where(write, HEAD_DIM, 0)
+    source = token * stride_new_token + kv_head * stride_new_head + dims
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    destination = (
+        (slot // BLOCK_SIZE) * stride_cache_page
+        + (slot % BLOCK_SIZE) * stride_cache_offset
+        + kv_head * stride_cache_head
+        + dims
+    )
+    tl.store(key_cache_ptr + destination, tl.load(k_new_ptr + source, mask=mask), mask=mask)
+    tl.store(value_cache_ptr + destination, tl.load(v_new_ptr + source, mask=mask), mask=mask)
+    tl.debug_barrier()  # the program's own stores are visible to all its threads' loads after
 
 
-@triton.jit(do_not_specialize=["num_split_programs"])
-def _decode_partitions_kernel(
+@triton.jit(do_not_specialize=["num_split_programs", "stride_table_row"])
+def _decode_kernel(
     q_ptr,  # [T, Nq, D]
-    k_ptr,  # [pages, block, Nkv, D]
-    v_ptr,  # [pages, block, Nkv, D]
+    k_new_ptr,  # [T, Nkv, D] this pass's keys (read only with WRITE_KV)
+    v_new_ptr,  # [T, Nkv, D]
+    key_cache_ptr,  # [pages, block, Nkv, D]
+    value_cache_ptr,  # [pages, block, Nkv, D], same strides as the key cache
     query_start_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
     page_table_ptr,  # [S, P] int32
+    slot_mapping_ptr,  # [T] int64
+    out_ptr,  # [T, Nq, D]
     partial_out_ptr,  # [S, Nq, parts, D] fp32
     partial_max_ptr,  # [S, Nq, parts] fp32
     partial_sum_ptr,  # [S, Nq, parts] fp32
+    arrivals_ptr,  # [S, head programs] int32, 0 between launches (read only with LAST_COMBINES)
     scale_log2,
     num_split_programs,
     stride_q_token,
     stride_q_head,
+    stride_new_token,  # k_new and v_new strides (the launcher checks they agree)
+    stride_new_head,
+    stride_out_token,
+    stride_out_head,
     stride_cache_page,
     stride_cache_offset,
     stride_cache_head,
     stride_table_row,
-    stride_out_row,  # partial_out strides; its part stride is HEAD_DIM
-    stride_out_head,
+    stride_partial_row,  # partial_out strides; its part stride is HEAD_DIM
+    stride_partial_head,
     stride_scalar_row,  # partial_max / partial_sum strides; their part stride is 1
     stride_scalar_head,
+    stride_arrivals_row,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEADS: tl.constexpr,  # query heads per program (a power of two)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     PARTITION_MIN: tl.constexpr,
     MAX_PARTITIONS: tl.constexpr,
+    PART_TILES_LOG2: tl.constexpr,  # log2(PARTITION_MIN / BLOCK_N)
+    TENSOR_CORES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,  # dots in fp32 (only under the CPU interpreter)
+    WRITE_KV: tl.constexpr,  # store the row's new K/V before reading (instead of kv_write)
+    COMBINE: tl.constexpr,  # one program per row: combine here (num_split_programs == 1)
+    LAST_COMBINES: tl.constexpr,  # the last of a row's programs to finish combines it
+    PARTIALS_CACHE: tl.constexpr,  # ".cg" with LAST_COMBINES (other programs' partials)
 ):
     row = tl.program_id(0)
+    split = tl.program_id(2)
     programs_per_kv_head: tl.constexpr = (GROUP + HEADS - 1) // HEADS
     kv_head = tl.program_id(1) // programs_per_kv_head
     in_group = (tl.program_id(1) % programs_per_kv_head) * HEADS + tl.arange(0, HEADS)  # [H]
-    head_valid = in_group < GROUP
     heads = kv_head * GROUP + in_group  # query heads of this program, [H]
     dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < HEAD_DIM
-    token, seq_len = _decode_row(query_start_ptr, seq_lens_ptr, row)
-    part_size = _partition_size(seq_len, PARTITION_MIN, MAX_PARTITIONS)
-    q_offsets = token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
-    q_mask = head_valid[:, None] & dim_valid[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale_log2
-    out_heads = row.to(tl.int64) * stride_out_row + heads * stride_out_head  # [H]
-    scalar_heads = row.to(tl.int64) * stride_scalar_row + heads * stride_scalar_head  # [H]
+    token, query_len, seq_len = _decode_row(query_start_ptr, seq_lens_ptr, row)
+    doublings = _partition_doublings(seq_len, PARTITION_MIN, MAX_PARTITIONS)
+    part_size = PARTITION_MIN << doublings
+    tile_shift = PART_TILES_LOG2 + doublings  # a partition has 1 << tile_shift tiles
+    num_tiles, tail, num_parts, owns_last = _program_tiles(
+        seq_len, split, num_split_programs, part_size, tile_shift, BLOCK_N
+    )
+    if WRITE_KV:
+        _write_new_kv(
+            k_new_ptr, v_new_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, token,
+            kv_head, owns_last, stride_new_token, stride_new_head, stride_cache_page,
+            stride_cache_offset, stride_cache_head, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+        )  # fmt: skip
+    q_rows = token * stride_q_token + heads * stride_q_head  # [H]
+    partial_rows = row.to(tl.int64) * stride_partial_row + heads * stride_partial_head  # [H]
+    scalar_rows = row.to(tl.int64) * stride_scalar_row + heads * stride_scalar_head  # [H]
     table_row_ptr = page_table_ptr + row.to(tl.int64) * stride_table_row
-    for part in range(tl.program_id(2), tl.cdiv(seq_len, part_size), num_split_programs):
-        begin = part * part_size
-        end = tl.minimum(seq_len, begin + part_size)
-        part_max, part_sum, part_out = _attend_partition(
-            q,
-            k_ptr,
-            v_ptr,
-            table_row_ptr,
-            begin,
-            end,
-            kv_head * stride_cache_head,
-            dims,
-            dim_valid,
-            stride_cache_page,
-            stride_cache_offset,
-            BLOCK_SIZE,
-            BLOCK_N,
-            HEADS,
-            BLOCK_D,
-        )
-        tl.store(partial_max_ptr + scalar_heads + part, part_max, mask=head_valid)
-        tl.store(partial_sum_ptr + scalar_heads + part, part_sum, mask=head_valid)
-        out_offsets = out_heads[:, None] + part * HEAD_DIM + dims[None, :]
-        tl.store(partial_out_ptr + out_offsets, part_out, mask=q_mask)
+    kv_head_offset = kv_head * stride_cache_head
+    if TENSOR_CORES:
+        dot_tiles(
+            q_ptr + q_rows, in_group < GROUP, key_cache_ptr + kv_head_offset,
+            value_cache_ptr + kv_head_offset, table_row_ptr, partial_out_ptr + partial_rows,
+            partial_max_ptr + scalar_rows, partial_sum_ptr + scalar_rows, scale_log2, seq_len,
+            part_size, split, num_split_programs, num_tiles, tile_shift, stride_cache_page,
+            stride_cache_offset, BLOCK_SIZE, HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
+            INPUT_PRECISION, UPCAST,
+        )  # fmt: skip
+    else:  # HEADS == 1
+        lane_tiles(
+            q_ptr + q_rows, key_cache_ptr + kv_head_offset, value_cache_ptr + kv_head_offset,
+            table_row_ptr, partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
+            partial_sum_ptr + scalar_rows, scale_log2, seq_len, part_size, split,
+            num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
+            stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
+        )  # fmt: skip
+    finish = _finishes_row(
+        arrivals_ptr + row.to(tl.int64) * stride_arrivals_row + tl.program_id(1), split,
+        num_split_programs, num_parts, COMBINE, LAST_COMBINES,
+    )  # fmt: skip
+    if finish:
+        tl.debug_barrier()  # partials stored by other threads of this program are visible
+        out = combine_partials(
+            partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
+            partial_sum_ptr + scalar_rows, num_parts, in_group < GROUP, HEADS, HEAD_DIM, BLOCK_D,
+            PARTIALS_CACHE,
+        )  # fmt: skip
+        stored_heads = tl.where(query_len == 1, GROUP, 0)  # rows of other query lengths: none
+        mask = (in_group < stored_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+        out_offsets = token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _decode_combine_kernel(
+def _finishes_row(
+    arrivals_ptr, split, num_split_programs, num_parts, COMBINE: tl.constexpr,
+    LAST_COMBINES: tl.constexpr,
+):  # fmt: skip
+    """Whether this program folds the row's partials (the same fold whichever program does).
+
+    One program per row: it does. LAST_COMBINES: the last of the row's programs to arrive (an
+    acq_rel atomic per program after a CTA barrier; the last one reads the others' partials
+    past L1 and resets the count for the next launch). Otherwise split 0 finishes rows of one
+    partition and the combine kernel the rest.
+    """
+    if COMBINE:
+        return split == 0
+    if LAST_COMBINES:
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+        last = arrived == num_split_programs - 1
+        if last:
+            tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+        return last
+    return (split == 0) & (num_parts <= 1)
+
+
+@triton.jit
+def _combine_kernel(
     out_ptr,  # [T, Nq, D]
     query_start_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
@@ -235,38 +276,36 @@ def _decode_combine_kernel(
     partial_sum_ptr,  # [S, Nq, parts] fp32
     stride_out_token,
     stride_out_head,
-    stride_partial_row,  # partial_out strides; its part stride is HEAD_DIM
+    stride_partial_row,
     stride_partial_head,
-    stride_scalar_row,  # partial_max / partial_sum strides; their part stride is 1
+    stride_scalar_row,
     stride_scalar_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PARTITION_MIN: tl.constexpr,
     MAX_PARTITIONS: tl.constexpr,
 ):
+    """Rows of two or more partitions (the decode kernel finished the others), one head each."""
     row = tl.program_id(0)
     head = tl.program_id(1)
-    token, seq_len = _decode_row(query_start_ptr, seq_lens_ptr, row)
-    query_len = tl.load(query_start_ptr + row + 1) - tl.load(query_start_ptr + row)
-    num_parts = tl.cdiv(seq_len, _partition_size(seq_len, PARTITION_MIN, MAX_PARTITIONS))
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < HEAD_DIM
-    base = row.to(tl.int64) * stride_partial_row + head * stride_partial_head
-    scalar_base = row.to(tl.int64) * stride_scalar_row + head * stride_scalar_head
-    global_max = tl.full([], float("-inf"), tl.float32)
-    for part in range(0, num_parts):
-        global_max = tl.maximum(global_max, tl.load(partial_max_ptr + scalar_base + part))
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for part in range(0, num_parts):  # fixed order: partition 0, 1, 2, ...
-        weight = tl.exp2(tl.load(partial_max_ptr + scalar_base + part) - global_max)
-        total += tl.load(partial_sum_ptr + scalar_base + part) * weight
-        part_out = tl.load(partial_out_ptr + base + part * HEAD_DIM + dims, mask=dim_valid)
-        acc += part_out * weight
-    out = acc / tl.where(num_parts > 0, total, 1.0)  # zeros for empty rows
-    out_offsets = token * stride_out_token + head * stride_out_head + dims
-    stored_dims = tl.where(query_len == 1, HEAD_DIM, 0)  # rows of other query lengths: none
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), dims < stored_dims)
+    token, _, seq_len = _decode_row(query_start_ptr, seq_lens_ptr, row)  # 0 unless one query
+    part_size = PARTITION_MIN << _partition_doublings(seq_len, PARTITION_MIN, MAX_PARTITIONS)
+    num_parts = (seq_len + part_size - 1) // part_size
+    if num_parts > 1:
+        partial_row = row.to(tl.int64) * stride_partial_row + head * stride_partial_head
+        scalar_row = row.to(tl.int64) * stride_scalar_row + head * stride_scalar_head
+        one = tl.arange(0, 1)
+        out = combine_partials(
+            partial_out_ptr + partial_row + one, partial_max_ptr + scalar_row + one,
+            partial_sum_ptr + scalar_row + one, num_parts, one == 0, 1, HEAD_DIM, BLOCK_D, "",
+        )  # fmt: skip
+        dims = tl.arange(0, BLOCK_D)
+        out_offsets = (
+            token * stride_out_token + head * stride_out_head + dims[None, :] + one[:, None]
+        )
+        tl.store(
+            out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims[None, :] < HEAD_DIM
+        )
 
 
 def paged_decode_attention(
@@ -280,11 +319,19 @@ def paged_decode_attention(
     scale: float,
     num_split_programs: int,
     tiling: DecodeTiling,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    last_program_combines: bool = False,
 ) -> None:
     """Attention of every one-token row over its pages into `out`; other rows are left alone.
 
-    Reads only device tensors of `metadata` (never its host lists), so it can be graph-captured.
+    `new_kv` ([T, Nkv, D] keys and values of this pass): the kernel stores each decode row's new
+    K/V into its slot itself (no separate `kv_write`); only for passes where every row has one
+    query token. `last_program_combines`: when rows are shared by several programs, the last
+    one to finish folds the row (no combine launch). Reads only device tensors of `metadata`
+    (never its host lists), so it can be graph-captured.
     """
+    if new_kv is not None and metadata.max_query_len != 1:
+        raise ValueError("the decode kernel writes new K/V only in passes of one-token rows")
     rows = metadata.seq_lens.shape[0]
     needed = tiling.partitions_bound(metadata.page_table.shape[1] * key_cache.shape[1])
     if workspace.partial_max.shape[2] < needed or workspace.partial_max.shape[0] < rows:
@@ -293,82 +340,83 @@ def paged_decode_attention(
         return
     if q.stride(-1) != 1:
         q = q.contiguous()
-    _launch_partitions(
-        q, key_cache, value_cache, metadata, workspace, scale, num_split_programs, tiling
-    )
-    _launch_combine(out, metadata, workspace, tiling)
+    last_combines = last_program_combines and num_split_programs > 1
+    _launch_decode(
+        q, key_cache, value_cache, metadata, out, workspace, scale, num_split_programs, tiling,
+        new_kv, last_combines,
+    )  # fmt: skip
+    if num_split_programs > 1 and not last_combines:
+        _launch_combine(out, metadata, workspace, tiling)
 
 
-def _launch_partitions(
+def _launch_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    out: torch.Tensor,
     workspace: DecodeWorkspace,
     scale: float,
     num_split_programs: int,
     tiling: DecodeTiling,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    last_combines: bool,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
+    k_new, v_new = new_kv if new_kv is not None else (q, q)  # q: a placeholder, not read
+    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
     grid = (
         metadata.seq_lens.shape[0],
         tiling.head_programs(num_heads, num_kv_heads),
         num_split_programs,
     )
-    _decode_partitions_kernel[grid](
-        q,
-        key_cache,
-        value_cache,
-        metadata.query_start,
-        metadata.seq_lens,
-        metadata.page_table,
-        workspace.partial_out,
-        workspace.partial_max,
-        workspace.partial_sum,
-        scale * LOG2_E,
-        num_split_programs,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+    partial_out, partial_max = workspace.partial_out, workspace.partial_max
+    _decode_kernel[grid](
+        q, k_new, v_new, key_cache, value_cache,
+        metadata.query_start, metadata.seq_lens, metadata.page_table, metadata.slot_mapping,
+        out, partial_out, partial_max, workspace.partial_sum, workspace.arrivals,
+        scale * LOG2_E, num_split_programs,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         metadata.page_table.stride(0),
-        workspace.partial_out.stride(0),
-        workspace.partial_out.stride(1),
-        workspace.partial_max.stride(0),
-        workspace.partial_max.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_max.stride(0), partial_max.stride(1),
+        workspace.arrivals.stride(0),
         BLOCK_SIZE=key_cache.shape[1],
         GROUP=num_heads // num_kv_heads,
         HEADS=tiling.heads_per_program,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tiling.block_n,
+        NUM_STAGES=tiling.num_stages,
         PARTITION_MIN=tiling.partition_min,
         MAX_PARTITIONS=tiling.max_partitions,
+        PART_TILES_LOG2=(tiling.partition_min // tiling.block_n).bit_length() - 1,
+        TENSOR_CORES=tiling.tensor_cores,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=q.device.type == "cpu",
+        WRITE_KV=new_kv is not None,
+        COMBINE=num_split_programs == 1,
+        LAST_COMBINES=last_combines,
+        PARTIALS_CACHE=".cg" if last_combines else "",
         num_warps=tiling.num_warps,
-    )
+        num_stages=tiling.num_stages,
+    )  # fmt: skip
 
 
 def _launch_combine(
     out: torch.Tensor, metadata: AttentionMetadata, workspace: DecodeWorkspace, tiling: DecodeTiling
 ) -> None:
     num_heads, head_dim = out.shape[1], out.shape[2]
-    _decode_combine_kernel[(metadata.seq_lens.shape[0], num_heads)](
-        out,
-        metadata.query_start,
-        metadata.seq_lens,
-        workspace.partial_out,
-        workspace.partial_max,
-        workspace.partial_sum,
-        out.stride(0),
-        out.stride(1),
-        workspace.partial_out.stride(0),
-        workspace.partial_out.stride(1),
-        workspace.partial_max.stride(0),
-        workspace.partial_max.stride(1),
+    partial_out, partial_max = workspace.partial_out, workspace.partial_max
+    _combine_kernel[(metadata.seq_lens.shape[0], num_heads)](
+        out, metadata.query_start, metadata.seq_lens,
+        partial_out, partial_max, workspace.partial_sum,
+        out.stride(0), out.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_max.stride(0), partial_max.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PARTITION_MIN=tiling.partition_min,
         MAX_PARTITIONS=tiling.max_partitions,
-    )
+    )  # fmt: skip

@@ -1,6 +1,8 @@
 """Realistic sizes on a CUDA GPU: Ouro's shape (16 heads, 16 KV heads, head dim 128, bf16), block
 16, contexts up to 8K tokens over thousands of permuted pages; other head sizes, GQA and dtypes;
-batch invariance across programs-per-row; CUDA graph replay with new lengths and page tables.
+batch invariance across programs-per-row; CUDA graph replay with new lengths and page tables;
+every decode tiling the sweep launches, compiled (warps and stages matter here), against the
+reference and bitwise across schedules, fused/separate KV write and a row alone vs in a batch.
 
 Run with `pytest -m gpu tests/kernels` on a GPU machine (deselected by default).
 """
@@ -13,6 +15,8 @@ import torch
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
+from loopserve.bench.decode_sweep import TILING_CANDIDATES, fixed_schedule
+from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
 from loopserve.kv.metadata import AttentionMetadata
 
 from .batch_specs import (
@@ -43,7 +47,11 @@ PREFILL_ROWS = [
 MODERATE_ROWS = [Row(700, query_len=300), Row(1500), Row(0), Row(64, query_len=64), Row(2049)]
 
 
-def _backend(shape: HeadShape) -> TritonAttentionBackend:
+def _backend(
+    shape: HeadShape,
+    tiling: DecodeTiling | None = None,
+    schedule: DecodeSchedule | None = None,
+) -> TritonAttentionBackend:
     spec = AttentionSpec(
         device_type="cuda",
         compute_capability=torch.cuda.get_device_capability(),
@@ -55,7 +63,7 @@ def _backend(shape: HeadShape) -> TritonAttentionBackend:
         cuda_graphs=True,
     )
     assert TritonAttentionBackend.unsupported_reasons(spec) == []
-    return TritonAttentionBackend(spec)
+    return TritonAttentionBackend(spec, decode_tiling=tiling, decode_schedule=schedule)
 
 
 def _run(
@@ -172,3 +180,52 @@ def test_cuda_graph_replay_reads_new_lengths_and_pages() -> None:
     eager = _run(_backend(OURO), batch, replay)
     assert torch.equal(out, eager)
     assert not out.isnan().any()
+
+
+SWEEP_ROWS = [Row(n) for n in (8192, 1, 0, 640, 4097, 129, 2048, 33, 16, 512)]
+GQA = HeadShape(32, 8, 128, torch.bfloat16)
+GQA_TILINGS = {
+    "dots-default": DecodeTiling.for_shape(4, 128),
+    "lanes-n32": DecodeTiling(tensor_cores=False, heads_per_program=1, block_n=32),
+}
+
+
+@pytest.fixture(scope="module")
+def ouro_decode_batch() -> tuple[Batch, torch.Tensor]:
+    batch = build_batch(SWEEP_ROWS, OURO, DEVICE, block_size=BLOCK, seed=6)
+    return batch, dense_reference(batch)
+
+
+def _check_tiling(
+    batch: Batch, expected: torch.Tensor, shape: HeadShape, tiling, separate_write: bool = True
+) -> None:
+    """Correct, and one row's bits the same under every schedule, write mode, and alone.
+
+    The first run writes this pass's K/V itself (the slots hold NaN until then)."""
+    outs = []
+    schedules = [(0.0, True, False), (8.0, True, False), (4.0, True, True)]
+    schedules += [(2.0, False, False)] * separate_write
+    for per_sm, fused_write, last in schedules:
+        backend = _backend(shape, tiling, fixed_schedule(per_sm, fused_write, last))
+        outs.append(_run(backend, batch))
+    torch.testing.assert_close(outs[0].double().cpu(), expected, **tolerance(shape.dtype))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    for index in (0, 3, 5):
+        metadata, tokens = decode_subset(batch, [index])
+        alone = _run(_backend(shape, tiling), batch, metadata, tokens)
+        assert torch.equal(outs[0][tokens], alone), f"row {index} alone"
+
+
+@pytest.mark.parametrize("name", sorted(TILING_CANDIDATES))
+def test_sweep_tiling_at_ouro_shape(name: str, ouro_decode_batch) -> None:
+    """The separate-write kernel variant only for the two paths' defaults (compile time)."""
+    batch, expected = ouro_decode_batch
+    separate_write = name in ("lanes-n32-w4-s3", "dots-n64-w4-s3")
+    _check_tiling(batch, expected, OURO, TILING_CANDIDATES[name], separate_write)
+
+
+@pytest.mark.parametrize("name", sorted(GQA_TILINGS))
+def test_gqa_tilings(name: str) -> None:
+    batch = build_batch(SWEEP_ROWS[:6], GQA, DEVICE, block_size=BLOCK, seed=7)
+    _check_tiling(batch, dense_reference(batch), GQA, GQA_TILINGS[name])

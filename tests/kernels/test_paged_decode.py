@@ -1,4 +1,10 @@
-"""Paged decode kernels against the float64 dense reference and the torch backend."""
+"""Paged decode kernels against the float64 dense reference and the torch backend.
+
+Both tile paths (CUDA-core lanes, tensor-core dots), the fused and the separate combine, the fused
+KV write, and every tiling the decode sweep can launch (scaled to CPU sizes: the interpreter
+ignores warps and stages, so tilings differing only in those run once). Batch invariance: a row's
+bits alone equal its bits in a batch, for any programs per row.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.torch_backend import write_kv as reference_write_kv
+from loopserve.bench.decode_sweep import TILING_CANDIDATES
 from loopserve.kernels.paged_decode import DecodeTiling, new_workspace, paged_decode_attention
 
 from .batch_specs import (
@@ -17,34 +24,42 @@ from .batch_specs import (
     PREFILL_SPECS,
     Batch,
     HeadShape,
+    Row,
     build_batch,
     decode_subset,
     dense_reference,
     tolerance,
 )
 
-SHAPES = [
-    HeadShape(4, 2, 32, torch.float32),  # GQA, group 2
-    HeadShape(2, 2, 32, torch.bfloat16),
-    HeadShape(6, 2, 80, torch.float16),  # group 3 (a padded head per program), padded head dim
-]
-# Tiny partitions so that the CPU-sized rows have several, and rows over 64 tokens double them.
-SMALL_PARTITIONS = {"partition_min": 16, "max_partitions": 4}
-
-
-def _tiling(shape: HeadShape, **changes: int) -> DecodeTiling:
-    group = shape.num_heads // shape.num_kv_heads
-    return dataclasses.replace(DecodeTiling.for_shape(group, shape.head_dim), **changes)
+MHA = HeadShape(2, 2, 32, torch.bfloat16)
+MHA_FP32 = HeadShape(2, 2, 32, torch.float32)
+GQA = HeadShape(4, 2, 32, torch.float32)  # group 2
+PADDED = HeadShape(6, 2, 80, torch.float16)  # group 3, head dim padded to 128
+# Tiny partitions so that CPU-sized rows have several, and rows over 64 tokens double them.
+LANES = DecodeTiling(tensor_cores=False, heads_per_program=1, block_n=8, partition_min=16)
+DOTS = DecodeTiling(tensor_cores=True, heads_per_program=16, block_n=16, partition_min=32)
+SMALL = {"max_partitions": 4}
+PATHS = {"lanes": dataclasses.replace(LANES, **SMALL), "dots": dataclasses.replace(DOTS, **SMALL)}
 
 
 def _decode(
-    batch: Batch, tiling: DecodeTiling, splits: int, only_row: int | None = None
+    batch: Batch,
+    tiling: DecodeTiling,
+    splits: int,
+    *,
+    fused_write: bool = False,
+    last_combines: bool = False,
+    only_row: int | None = None,
 ) -> torch.Tensor:
-    """Decode output [T, Nq, D] of the batch (or of row `only_row` alone) into a poisoned out."""
-    q, metadata = batch.q, batch.metadata
+    """Decode output [T, Nq, D] of the batch (or of row `only_row` alone) into a poisoned out.
+
+    With `fused_write` the kernel stores this pass's K/V itself (the batch's cache must not have
+    them yet); otherwise they must already be written.
+    """
+    q, k, v, metadata = batch.q, batch.k, batch.v, batch.metadata
     if only_row is not None:
         metadata, tokens = decode_subset(batch, [only_row])
-        q = q[tokens]
+        q, k, v = q[tokens], k[tokens], v[tokens]
     rows, block_size = metadata.seq_lens.shape[0], batch.kv.block_size
     partitions = tiling.partitions_bound(metadata.page_table.shape[1] * block_size)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -60,7 +75,10 @@ def _decode(
         scale=head_dim**-0.5,
         num_split_programs=splits,
         tiling=tiling,
+        new_kv=(k, v) if fused_write else None,
+        last_program_combines=last_combines,
     )
+    assert not workspace.arrivals.any()  # the last program of a row leaves its count at 0
     return out
 
 
@@ -84,57 +102,104 @@ def _torch_backend_output(batch: Batch, shape: HeadShape) -> torch.Tensor:
     return backend.forward(batch.q, batch.k, batch.v, batch.kv, batch.layer, batch.metadata)
 
 
-# Every spec in the first two shapes; the padded-heads, padded-head-dim shape on the specs that
-# stress masking (the interpreter is slow, and the GPU run covers every shape at full size).
-CASES = [(spec, shape) for shape in SHAPES[:2] for spec in sorted(DECODE_SPECS)] + [
-    (spec, SHAPES[2]) for spec in ("long_rows", "padding_rows", "page_boundaries")
-]
-
-
-@pytest.mark.parametrize(("spec", "shape"), CASES, ids=[f"{s}-{h}" for s, h in CASES])
-def test_decode_matches_references(spec: str, shape: HeadShape, device: torch.device) -> None:
-    batch = build_batch(DECODE_SPECS[spec], shape, device, seed=len(spec))
-    reference = _torch_backend_output(batch, shape)  # also writes this pass's K/V
-    out = _decode(batch, _tiling(shape, **SMALL_PARTITIONS), splits=3)
-    expected = dense_reference(batch)
-    torch.testing.assert_close(out.double().cpu(), expected, **tolerance(shape.dtype))
-    torch.testing.assert_close(out.cpu(), reference.cpu(), **tolerance(shape.dtype))
+def _assert_matches(out: torch.Tensor, batch: Batch, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(dtype))
     padding = torch.tensor([row.seq_len == 0 for row in batch.rows])
     assert torch.all(out.cpu()[padding] == 0)
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
-def test_decode_default_tiling(shape: HeadShape, device: torch.device) -> None:
-    batch = _written(build_batch(DECODE_SPECS["mixed_lengths"], shape, device))
-    out = _decode(batch, _tiling(shape), splits=2)
-    torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
+# Every spec on the MHA shape with the lanes path (Ouro's) and on the GQA shape with the dots
+# path; the padded shape on the specs that stress masking (the interpreter is slow; the GPU run
+# covers every shape at full size).
+CASES = [(spec, MHA, "lanes") for spec in sorted(DECODE_SPECS)]
+CASES += [(spec, GQA, "dots") for spec in sorted(DECODE_SPECS)]
+CASES += [(spec, PADDED, path) for spec in ("long_rows", "padding_rows") for path in PATHS]
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
-def test_decode_is_batch_invariant(shape: HeadShape, device: torch.device) -> None:
-    """A row's output is bitwise the same alone, in a batch, and for any programs-per-row."""
+@pytest.mark.parametrize(
+    ("spec", "shape", "path"), CASES, ids=[f"{s}-{h}-{p}" for s, h, p in CASES]
+)
+def test_decode_matches_references(
+    spec: str, shape: HeadShape, path: str, device: torch.device
+) -> None:
+    """Three programs per row (separate combine; rows of one partition finish in the kernel)."""
+    batch = build_batch(DECODE_SPECS[spec], shape, device, seed=len(spec))
+    reference = _torch_backend_output(batch, shape)  # also writes this pass's K/V
+    out = _decode(batch, PATHS[path], splits=3)
+    _assert_matches(out, batch, shape.dtype)
+    torch.testing.assert_close(out.cpu(), reference.cpu(), **tolerance(shape.dtype))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_kv_write_and_combine(path: str, device: torch.device) -> None:
+    """One program per row (combined in the kernel), writing the new K/V itself: the slots hold
+    NaN until then, so a missing or misplaced write fails; the written cache equals kv_write's."""
+    shape = GQA
+    batch = build_batch(DECODE_SPECS["mixed_lengths"], shape, device, seed=5)
+    out = _decode(batch, PATHS[path], splits=1, fused_write=True)
+    _assert_matches(out, batch, shape.dtype)
+    fused_cache = batch.kv.cache[batch.layer].clone()
+    _written(batch)
+    assert torch.equal(fused_cache.nan_to_num(7.0), batch.kv.cache[batch.layer].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [MHA, GQA], ids=str)
+def test_decode_is_batch_invariant(shape: HeadShape, path: str, device: torch.device) -> None:
+    """A row's output is bitwise the same alone, in a batch, for any programs-per-row, with the
+    fold in the decode kernel (one program per row, or the last one of the row) or separate,
+    and with the K/V write fused or not."""
     batch = _written(build_batch(DECODE_SPECS["long_rows"], shape, device))
-    tiling = _tiling(shape, **SMALL_PARTITIONS)
-    in_batch = [_decode(batch, tiling, splits=splits) for splits in (1, 2, 5)]
+    tiling = PATHS[path]
+    in_batch = [_decode(batch, tiling, splits) for splits in (1, 2, 5)]
+    in_batch.append(_decode(batch, tiling, 3, fused_write=True))
+    in_batch.append(_decode(batch, tiling, 3, last_combines=True))
     for index in (0, 1):  # 300 and 77 tokens: several partitions each
         alone = _decode(batch, tiling, splits=4, only_row=index)
         for out in in_batch:
             assert torch.equal(out[index], alone[0])
-    torch.testing.assert_close(
-        in_batch[0].double().cpu(), dense_reference(batch), **tolerance(shape.dtype)
-    )
+    _assert_matches(in_batch[0], batch, shape.dtype)
 
 
 def test_decode_leaves_prompt_rows_alone(device: torch.device) -> None:
     """In a mixed batch the decode kernels write exactly the one-token rows."""
-    shape = SHAPES[0]
+    shape = GQA
     batch = _written(build_batch(PREFILL_SPECS["packed_mixed"], shape, device))
-    out = _decode(batch, _tiling(shape, **SMALL_PARTITIONS), splits=2).cpu()
-    starts = batch.starts
     expected = dense_reference(batch)
-    for index, row in enumerate(batch.rows):
-        rows = slice(starts[index], starts[index + 1])
-        if row.query_len == 1:
-            torch.testing.assert_close(out[rows].double(), expected[rows], **tolerance(shape.dtype))
-        else:
-            assert out[rows].isnan().all()
+    for tiling, splits in ((PATHS["lanes"], 2), (PATHS["dots"], 1)):
+        out = _decode(batch, tiling, splits=splits).cpu()
+        starts = batch.starts
+        for index, row in enumerate(batch.rows):
+            rows = slice(starts[index], starts[index + 1])
+            if row.query_len == 1:
+                torch.testing.assert_close(
+                    out[rows].double(), expected[rows], **tolerance(shape.dtype)
+                )
+            else:
+                assert out[rows].isnan().all()
+
+
+def _result_tilings() -> list[DecodeTiling]:
+    """The sweep's tilings, deduplicated on what the interpreter runs (not warps or stages)."""
+    seen: dict[tuple, DecodeTiling] = {}
+    for tiling in TILING_CANDIDATES.values():
+        key = (tiling.tensor_cores, tiling.heads_per_program, tiling.block_n)
+        key += (tiling.partition_min, tiling.max_partitions)
+        seen.setdefault(key, tiling)
+    return list(seen.values())
+
+
+SWEEP_ROWS = [Row(300), Row(129), Row(1), Row(0), Row(64)]
+
+
+@pytest.mark.parametrize("tiling", _result_tilings(), ids=str)
+def test_sweep_tilings(tiling: DecodeTiling, device: torch.device) -> None:
+    """Every tiling the sweep launches (its Ouro head count scaled to a CPU shape): correct with
+    the fold in the kernel, separate, or by the last program, bitwise equal across them."""
+    shape = GQA if tiling.tensor_cores else MHA_FP32
+    batch = build_batch(SWEEP_ROWS, shape, device, seed=11)
+    fused = _decode(batch, tiling, splits=1, fused_write=True)
+    _assert_matches(fused, batch, shape.dtype)
+    split = _decode(batch, tiling, splits=2)  # the K/V are in the cache now
+    assert torch.equal(fused, split)
+    assert torch.equal(fused, _decode(batch, tiling, splits=3, last_combines=True))
