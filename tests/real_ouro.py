@@ -85,8 +85,11 @@ ANSWER = "Hello"
 _CORPUS = ["Hello world. Hello there! def hello(name):\n    return 'Hello ' + name\n"] * 50
 
 
-def write_ouro_like_checkpoint(directory: Path) -> Path:
-    """The checkpoint described in the module docstring, in `directory`."""
+def write_ouro_like_checkpoint(directory: Path, full_size: bool = False) -> Path:
+    """The checkpoint described in the module docstring, in `directory`.
+
+    `full_size`: Ouro-1.4B's sizes unchanged (2.9 GB of bf16 weights; the H200 start-up check
+    `python -m tests.real_ouro DIR`), with the same scripted weights and small tokenizer."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(SCALED_DOWN["vocab_size"])
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -97,7 +100,7 @@ def write_ouro_like_checkpoint(directory: Path) -> Path:
         "model_max_length": 131072,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    raw = OURO_1_4B_CONFIG | SCALED_DOWN
+    raw = OURO_1_4B_CONFIG if full_size else OURO_1_4B_CONFIG | SCALED_DOWN
     config = OuroConfig.from_dict(raw)
     answer_id = tokenizer.token_to_id(ANSWER)
     assert answer_id is not None, "the tokenizer must hold the answer as one token"
@@ -142,3 +145,9 @@ def _scripted_weights(config: OuroConfig, answer_id: int) -> dict[str, torch.Ten
     tensors["model.embed_tokens.weight"] = embedding
     tensors["lm_head.weight"] = head
     return {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in tensors.items()}
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_ouro_like_checkpoint(Path(sys.argv[1]), full_size=True))
