@@ -10,7 +10,8 @@
 # Parts run in this order; PARTS selects (default: all of them), e.g. PARTS="install table":
 #   install   bundle -> temp dir (about 10 s)                      INSTALL_TIMEOUT=60
 #   prebuild  FlashInfer JIT modules, background (2-3 min)          PREBUILD_TIMEOUT=240
-#   triton    pytest -m gpu tests/kernels/test_kernels_gpu.py       TRITON_TIMEOUT=150 (meanwhile)
+#   triton    pytest -m gpu $TRITON_TESTS (default the Triton kernel tests; without FlashInfer
+#             on the path, so `auto` runs Triton)                     TRITON_TIMEOUT=150 (meanwhile)
 #   kernels   pytest -m gpu tests/kernels/test_flashinfer_gpu.py    KERNELS_TIMEOUT=100
 #   engine    pytest -m gpu tests/gpu/test_engine_flashinfer_gpu.py ENGINE_TIMEOUT=100
 #   table     python -m loopserve.bench.attention_table $TABLE_ARGS TABLE_TIMEOUT=90
@@ -34,6 +35,7 @@ PARTS="${PARTS:-install prebuild triton kernels engine table}"
 TABLE_ARGS="${TABLE_ARGS:-}"
 EXTENDED="${EXTENDED:-0}"
 ENGINE_TESTS="tests/gpu/test_engine_flashinfer_gpu.py"
+TRITON_TESTS="${TRITON_TESTS:-tests/kernels/test_kernels_gpu.py}"
 ENGINE_FILTER="not fp32_engine_equals_reference"  # Triton's fp32 suite (16 engines), no FlashInfer
 KERNELS_FILTER="not extended"
 # The shapes the GPU tests and the table build FlashInfer modules for (heads,kv,dim,dtype,block).
@@ -56,6 +58,7 @@ LOG="$OUT/flashinfer.log"
 rm -f "$OUT/attention_table.jsonl"
 status=0
 SITE="${SITE:-$(mktemp -d /tmp/flashinfer-site.XXXX)}"
+mkdir -p "$SITE"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -105,9 +108,16 @@ if wants prebuild; then
   prebuild_pid=$!
 fi
 
-if wants triton; then step "pytest -m gpu tests/kernels/test_kernels_gpu.py (Triton)" \
-  "${TRITON_TIMEOUT:-150}" "$PYTHON" -m pytest -m gpu tests/kernels/test_kernels_gpu.py -q -rs \
-  --durations=5 -p no:cacheprovider; fi
+# shellcheck disable=SC2086  # TRITON_TESTS is a list of paths
+if wants triton; then step "pytest -m gpu $TRITON_TESTS (Triton)" "${TRITON_TIMEOUT:-150}" \
+  env PYTHONPATH="$PWD" "$PYTHON" -m pytest -m gpu $TRITON_TESTS -q -rs --durations=5 \
+  -p no:cacheprovider; fi
+
+# Every FlashInfer part below would only skip without the package: refuse to report that as a run.
+if ! "$PYTHON" -c "import flashinfer" 2>>"$LOG"; then
+  echo "== flashinfer does not import from $SITE: the FlashInfer parts are NOT run" | tee -a "$LOG"
+  PARTS="" status=1
+fi
 
 if [ -n "$prebuild_pid" ]; then
   wait "$prebuild_pid"
