@@ -34,14 +34,30 @@ class BlockTables:
         )
 
     def apply(self, updates: Sequence[PageTableUpdate], cleared_slots: Sequence[int]) -> None:
-        """Clear freed slots first (a slot may be reused by this very step), then add pages."""
+        """Clear freed slots first (a slot may be reused by this very step), then add pages.
+
+        Indices and page ids reach the device through pinned host memory (an asynchronous
+        copy), so a step that grows a request's pages does not synchronise with the GPU."""
         if cleared_slots:
-            self.tables[list(cleared_slots)] = NULL_PAGE
+            self.tables[self._to_device(list(cleared_slots))] = NULL_PAGE
+        if not updates:
+            return
+        slots: list[int] = []
+        planes: list[int] = []
+        indices: list[int] = []
+        page_ids: list[int] = []
         for update in updates:
-            end = update.start + len(update.page_ids)
-            self.tables[update.slot, update.plane, update.start : end] = torch.tensor(
-                update.page_ids, dtype=torch.int32
-            )
+            count = len(update.page_ids)
+            slots += [update.slot] * count
+            planes += [update.plane] * count
+            indices += range(update.start, update.start + count)
+            page_ids += update.page_ids
+        where = self._to_device([slots, planes, indices])
+        self.tables[where[0], where[1], where[2]] = self._to_device(page_ids, torch.int32)
+
+    def _to_device(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
 
     def decode_metadata(
         self,

@@ -21,7 +21,7 @@ from loopserve.attention.registry import BackendUnavailableError
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoint
-from loopserve.outputs import RequestOutput
+from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import SamplingParams
 
 from .test_engine_gpu import GPU_CONFIG, mixed_params, prompts, run
@@ -74,17 +74,17 @@ def test_fp32_is_refused_by_name(checkpoint: Path, backend: str) -> None:
 
 def _outputs(
     engine: Engine, batch: list[list[int]], params: list[SamplingParams]
-) -> list[RequestOutput]:
+) -> list[CompletionOutput]:
     ids = [engine.add_request(p, q) for p, q in zip(batch, params, strict=True)]
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    return [done[i] for i in ids]
+    return [done[i].outputs[0] for i in ids]
 
 
-def _first_divergence(expected: RequestOutput, got: RequestOutput) -> tuple[int, str] | None:
+def _first_divergence(expected: CompletionOutput, got: CompletionOutput) -> tuple[int, str] | None:
     pairs = zip(
         expected.token_ids, expected.exit_depths, got.token_ids, got.exit_depths, strict=True
     )
@@ -109,7 +109,7 @@ class Comparison:
     far_token_flips: list[tuple[int, int, float]] = field(default_factory=list)
 
 
-def _compare(expected: list[RequestOutput], got: list[RequestOutput]) -> Comparison:
+def _compare(expected: list[CompletionOutput], got: list[CompletionOutput]) -> Comparison:
     result = Comparison(requests=len(expected))
     for index, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
         result.tokens += len(mine.token_ids)
