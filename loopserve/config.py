@@ -106,7 +106,7 @@ class EngineConfig:
     load_format: LoadFormat = setting(
         LoadFormat.AUTO, "auto: the checkpoint's safetensors; dummy: random weights"
     )
-    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    device: str = setting("auto", "auto (the GPU when torch sees one, else cpu), cpu, cuda, cuda:N")
     dtype: str = setting(
         "auto",
         "weights and KV dtype; auto: bfloat16 on CUDA; on CPU bfloat16 for a bfloat16 checkpoint "
@@ -155,8 +155,10 @@ class EngineConfig:
         _coerce_enums(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,7 +40,10 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
-    """The torch device `name` names; a ValueError (saying which device) when it is not there."""
+    """The torch device `name` names ('auto': the current GPU when torch sees one, else the CPU);
+    a ValueError (saying which device) when it is not there."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -97,6 +101,7 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
     """The runner for `config`: the checkpoint loaded onto `config.device`, or `model` when one
     is given (already on that device; a test's fake model, say)."""
     device = resolve_device(config.device)
+    config = replace(config, device=str(device))  # what the KV budget and its messages speak of
     model_dir = None
     if model is None:
         model_dir = resolve_model_dir(config.model)
