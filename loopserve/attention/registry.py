@@ -26,12 +26,12 @@ ATTENTION_BACKENDS: dict[str, str] = {
 # them, say where triton is missing, ahead of the eager torch reference).
 AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer_fa2", "flashinfer_xqa", "torch")
 # Per compute-capability major, where measured. SM90: one H200, Ouro-1.4B decode (16 heads of 128,
-# MHA, page 16, bf16), CUDA-graph replay, per layer at 1 / 32 / 128 rows of 640 tokens: FlashInfer
-# FA2 decode 6.7 / 42.7 / 159 us, FlashInfer XQA 10.1 / 53.4 / 187 us, Triton 26.8 / 108 / 383 us.
-# (The FA2 figures came from FlashInfer's own CUDA-graph plan, which splits small batches; this
-# backend's unsplit, batch-invariant plan is re-measured by scripts/gpu_flashinfer.sh's table.)
+# MHA, page 16, bf16), CUDA-graph replay, per layer at 1 / 8 / 32 / 128 rows of 640 tokens
+# (scripts/gpu_flashinfer.sh's table, 2026-12-01): FA2 (unsplit, CUDA cores) 13.3 / 17.5 / 45.9 /
+# 163.6 us, Triton 8.9 / 21.1 / 48.2 / 169.4 us, XQA 11.9 / 17.9 / 56.9 / 188.2 us; end to end
+# (512/128, C=32, fixed depth) FA2 gave 1.09x Triton's output tok/s, 0.95-0.97x at C=1.
 AUTO_ORDER_BY_ARCH: dict[int, tuple[str, ...]] = {
-    9: ("flashinfer_fa2", "flashinfer_xqa", "triton", "torch"),
+    9: ("flashinfer_fa2", "triton", "flashinfer_xqa", "torch"),
 }
 
 
