@@ -33,6 +33,7 @@ def replica_failed(replica: int, error: BaseException) -> OpenAIError:
         "new requests are routed to the other replicas while it restarts, retry",
         error_type="server_error",
         code="replica_failed",
+        headers={REPLICA_HEADER.decode(): str(replica)},
     )
 
 
