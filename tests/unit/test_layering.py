@@ -112,9 +112,9 @@ def _imports_ray(path: Path) -> bool:
             alias.name.split(".")[0] == "ray" for alias in node.names
         ):
             return True
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] == "ray":
-                return True
+        is_from = isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+        if is_from and node.module.split(".")[0] == "ray":  # type: ignore[union-attr]
+            return True
     return False
 
 
