@@ -112,8 +112,8 @@ def _imports_ray(path: Path) -> bool:
             alias.name.split(".")[0] == "ray" for alias in node.names
         ):
             return True
-        is_from = isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-        if is_from and node.module.split(".")[0] == "ray":  # type: ignore[union-attr]
+        module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if module.split(".")[0] == "ray" and isinstance(node, ast.ImportFrom) and node.level == 0:
             return True
     return False
 
