@@ -112,7 +112,7 @@ def _imports_ray(path: Path) -> bool:
             alias.name.split(".")[0] == "ray" for alias in node.names
         ):
             return True
-        module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
         if module.split(".")[0] == "ray" and isinstance(node, ast.ImportFrom) and node.level == 0:
             return True
     return False
