@@ -147,6 +147,17 @@ def test_requests_sharing_a_prefix_go_to_one_replica(fleet: RunningServer) -> No
     assert hits[replica] >= (len(bodies) - 1) * 16  # every later request found the prefix pages
 
 
+def test_the_ingress_checks_the_key_and_serves_models_and_health(fleet: RunningServer) -> None:
+    assert httpx.get(f"{fleet.url}/v1/models", timeout=10).status_code == 401
+    models = httpx.get(f"{fleet.url}/v1/models", headers=fleet.headers, timeout=30)
+    assert [card["id"] for card in models.json()["data"]] == ["tiny"]
+    assert httpx.get(f"{fleet.url}/health", timeout=10).status_code == 200
+    too_big = httpx.post(
+        f"{fleet.url}/v1/completions", content=b"x" * (9 * 2**20), headers=fleet.headers, timeout=30
+    )
+    assert too_big.status_code == 413 and "error" in too_big.json()
+
+
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(fleet: RunningServer) -> None:
     from ray import serve
 
