@@ -76,6 +76,8 @@ def build_app(
             max_ongoing_requests=server_config.max_concurrent_requests + _CONTROL_CALLS,
             ray_actor_options=replica_options,
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            # The ingress logs every HTTP request; a line per forwarded call and poll is noise.
+            logging_config={"enable_access_log": False},
             health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
             graceful_shutdown_wait_loop_s=1.0,
             graceful_shutdown_timeout_s=server_config.shutdown_timeout_s,

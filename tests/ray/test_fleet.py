@@ -12,11 +12,12 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from ..server.server_testing import RunningServer
 from .conftest import NUM_REPLICAS
 
-pytestmark = __import__("pytest").mark.slow
+pytestmark = pytest.mark.slow
 
 # Python text long enough for several full KV pages of the built-in model's tokenizer.
 SHARED_PREFIX = "".join(
