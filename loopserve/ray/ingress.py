@@ -122,8 +122,8 @@ class Ingress:
         forwarded = ForwardedRequest(
             request.method, request.url.path, request.scope["query_string"], headers, body
         )
-        self._fleet.begin(decision)
         parts = self._streams[decision.replica].forward.remote(forwarded)
+        self._fleet.begin(decision)
         return ReplicaResponse(
             decision.replica,
             parts,

@@ -71,25 +71,42 @@ class ReplicaResponse(Response):
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
         start: ResponseStart | None = None
-        try:
-            async for part in self._parts:
-                if isinstance(part, ResponseStart):
-                    start = part
-                    headers = [*part.headers, (REPLICA_HEADER, str(self._replica).encode())]
-                    await send(
-                        {"type": "http.response.start", "status": part.status, "headers": headers}
-                    )
-                else:
-                    await send({"type": "http.response.body", "body": part, "more_body": True})
-        except Exception as error:
-            logger.warning("engine replica %d failed mid-request: %r", self._replica, error)
-            self._on_failure(self._replica)
-            failure = replica_failed(self._replica, error)
-            if start is None:
-                await failure.response()(scope, receive, send)
+        parts = aiter(self._parts)
+        while True:
+            try:
+                part = await anext(parts)
+            except StopAsyncIteration:
+                break
+            except Exception as error:  # the replica failed (errors of `send` are the client's)
+                await self._fail(error, start, scope, receive, send)
                 return
-            content_type = start.header(b"content-type") or b""
-            if content_type.startswith(b"text/event-stream"):
-                body = sse_event(failure.body()) + DONE_EVENT
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+            if isinstance(part, ResponseStart):
+                start = part
+                headers = [*part.headers, (REPLICA_HEADER, str(self._replica).encode())]
+                await send(
+                    {"type": "http.response.start", "status": part.status, "headers": headers}
+                )
+            else:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _fail(
+        self,
+        error: Exception,
+        start: ResponseStart | None,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """End the response with `error` in the OpenAI format, as far as what was sent allows."""
+        logger.warning("engine replica %d failed mid-request: %r", self._replica, error)
+        self._on_failure(self._replica)
+        failure = replica_failed(self._replica, error)
+        if start is None:
+            await failure.response()(scope, receive, send)
+            return
+        content_type = start.header(b"content-type") or b""
+        if content_type.startswith(b"text/event-stream"):
+            body = sse_event(failure.body()) + DONE_EVENT
+            await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
