@@ -61,7 +61,8 @@ class ReplicaResponse(Response):
         try:
             await asyncio.wait({relaying, listening}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            finished = relaying.done() and not relaying.cancelled()
+            # Relayed to the end; not when sending to the client failed (it left).
+            finished = relaying.done() and not relaying.cancelled() and not relaying.exception()
             for task in (relaying, listening):
                 task.cancel()
             await asyncio.gather(relaying, listening, return_exceptions=True)

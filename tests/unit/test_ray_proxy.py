@@ -127,3 +127,18 @@ def test_call_app_streams_the_apps_answer_and_tells_it_when_the_client_left() ->
     assert isinstance(start, ResponseStart) and start.status == 200
     assert first == second == b"ping"
     assert finished == ["closed"]
+
+
+def test_a_client_whose_connection_breaks_cancels_the_replicas_work() -> None:
+    relay = Relay(_parts(ResponseStart(200, SSE), b"data: {}\n\n", b"data: {}\n\n"))
+
+    async def broken_send(message: dict[str, Any]) -> None:
+        if message.get("body"):
+            raise OSError("connection reset")
+
+    async def never() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    asyncio.run(relay.response({"type": "http"}, never, broken_send))  # ends quietly
+    assert relay.cancelled and relay.closed and not relay.failed
