@@ -5,7 +5,8 @@ deployments (replica i is the deployment `loopserve-engine-i`: one replica each,
 CUDA, restarted by Serve when it dies or fails its health check, drained for
 `shutdown_timeout_s` when it stops) and binds them into one application; and `serve_replicas`,
 which `loopserve serve --replicas N` runs: start a local Ray cluster or join one, run the
-application on the server's host and port, and shut Serve down (draining) on SIGTERM or Ctrl-C.
+application on the server's host and port, and on SIGTERM or Ctrl-C drain and remove it (and
+shut Serve down on a cluster it started).
 Must not: hold serving logic (the replica and ingress classes do).
 """
 
@@ -119,11 +120,14 @@ def serve_replicas(
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         app = build_app(engine_config, server_config, num_replicas=num_replicas, routing=routing)
         serve.run(app, name=APP_NAME, route_prefix="/")
-        print(
-            f"loopserve: {num_replicas} replicas on http://{server_config.host}:{server_config.port}"
-        )
+        address = f"http://{server_config.host}:{server_config.port}"
+        print(f"loopserve: {num_replicas} engine replica(s) behind {address}", flush=True)
         while not stop.wait(1.0):
             pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        serve.shutdown()  # drains: each replica finishes its requests (up to shutdown_timeout_s)
+        # Both drain: each replica finishes its requests (up to shutdown_timeout_s) and stops.
+        if ray_address is None:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)  # a joined cluster's other applications keep running
