@@ -18,6 +18,10 @@ CORE = {"config", "sampling_params", "outputs", "request", "tokenizer"}
 # module ("engine.scheduler_output"); `*` allows everything.
 ALLOWED: dict[str, set[str]] = {
     "entrypoints": {"*"},
+    # Engine replicas on Ray Serve: the server's code behind an ingress.
+    "ray": {"entrypoints.openai", "engine.engine", "engine.stats", "engine.prefix_cache"}
+    | {"models.builtin"}
+    | CORE,
     "bench": {"engine", "runner", "models", "attention", "kernels", "sample", "kv", "depth"} | CORE,
     "eval": {"models", "depth", "data"} | CORE,
     "train": {"models", "data"} | CORE,
@@ -96,6 +100,41 @@ def test_the_check_catches_a_wrong_direction(tmp_path: Path) -> None:
     bad.write_text("def f():\n    from loopserve.runner.setup import build_runner\n")
     assert _imports(bad) == ["loopserve.runner.setup"]
     assert not any(_covers(entry, "runner.setup") for entry in ALLOWED["engine"])
+
+
+# The one module that imports Ray (the `ray` extra); everything else must run without it.
+RAY_MODULE = "loopserve.ray.app"
+
+
+def _imports_ray(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(
+            alias.name.split(".")[0] == "ray" for alias in node.names
+        ):
+            return True
+        module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+        if module.split(".")[0] == "ray" and isinstance(node, ast.ImportFrom) and node.level == 0:
+            return True
+    return False
+
+
+def test_only_the_ray_package_entry_imports_ray(tmp_path: Path) -> None:
+    importers = [_module_name(path) for path in sorted(PACKAGE.rglob("*.py")) if _imports_ray(path)]
+    assert importers == [RAY_MODULE]
+    guard = tmp_path / "guard.py"
+    guard.write_text("def f():\n    from ray import serve\n")
+    assert _imports_ray(guard)  # the check sees imports inside functions
+
+
+def test_import_loopserve_stays_light() -> None:
+    code = (
+        "import sys, loopserve, loopserve.ray, loopserve.ray.routing; "
+        "print(','.join(m for m in ('ray', 'torch', 'fastapi') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "", f"imported: {result.stdout.strip()}"
 
 
 STUB_ENGINE = """

@@ -1,4 +1,5 @@
-"""`loopserve serve`: the OpenAI-compatible HTTP server (needs the `serve` extra).
+"""`loopserve serve`: the OpenAI-compatible HTTP server (needs the `serve` extra); with
+`--replicas N`, N engine replicas behind one endpoint on Ray Serve (needs the `ray` extra).
 
 Binds `--host`/`--port` before loading the model, so a taken port is reported at once, naming the
 flag. Must not: restate the server's defaults (they come from `ServerConfig`).
@@ -72,10 +73,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default = getattr(defaults, name)
         shown = "" if default is None else " (default: %(default)s)"
         limits.add_argument(flag, dest=name, type=int, default=default, help=help_text + shown)
+    _add_replica_arguments(parser)
     add_engine_arguments(parser)
 
 
+def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the Ray Serve fleet; the routing knobs' defaults come from `RoutingConfig`."""
+    from loopserve.ray.routing import RoutingConfig
+
+    defaults = RoutingConfig()
+    group = parser.add_argument_group(
+        "replicas (Ray Serve; needs `pip install loopserve[ray]`, see docs/ray.md)"
+    )
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas (one GPU each on CUDA) behind one endpoint, on Ray Serve "
+        "(default: one engine in this process, without Ray)",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. auto, ray://HOST:10001) instead of starting a local one",
+    )
+    knobs = {
+        "--affinity-pages": ("affinity_pages", int, "full KV pages of a prompt that route it"),
+        "--saturation": ("saturation", float, "load at which a prompt's replica is passed over"),
+        "--max-imbalance": ("max_imbalance", float, "load a prompt's replica may have above the "
+                            "least-loaded one's before it is passed over"),
+        "--poll-interval": ("poll_interval_s", float, "seconds between load polls"),
+    }  # fmt: skip
+    for flag, (name, kind, help_text) in knobs.items():
+        default = getattr(defaults, name)
+        group.add_argument(
+            flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return _run_replicas(args)
     try:
         from loopserve.entrypoints.openai.server import bind_socket, run_server
     except ImportError as error:
@@ -94,6 +132,28 @@ def run(args: argparse.Namespace) -> int:
             f"({error.strerror or error}); choose another --port (or --host)"
         ) from None
     run_server(engine_config, config, sock)
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    try:
+        from loopserve.ray import serve_replicas
+    except ImportError as error:
+        raise ValueError(f"--replicas: {error}") from None
+    from loopserve.config import EngineConfig
+    from loopserve.ray.routing import RoutingConfig
+
+    routing = RoutingConfig(
+        affinity_pages=args.affinity_pages,
+        saturation=args.saturation,
+        max_imbalance=args.max_imbalance,
+        poll_interval_s=args.poll_interval_s,
+    )
+    config = _server_config(args)
+    engine_config = EngineConfig.from_options(model=args.model, **engine_options(args))
+    serve_replicas(engine_config, config, args.replicas, args.ray_address, routing)
     return 0
 
 

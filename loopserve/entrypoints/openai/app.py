@@ -2,7 +2,8 @@
 
 Owns: `build_app`, which wires one `ServingContext` into the routes (`/v1/completions`,
 `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`), starts the engine thread with the
-app and stops it (aborting what is left) when the app shuts down; on SIGTERM it aborts what is
+app and stops it (aborting what is left) when the app shuts down (`running`, which a Ray replica
+enters itself: it serves the app without a lifespan); on SIGTERM it aborts what is
 still running once the drain timeout has passed (see `shutdown`). Must not: hold module-level
 state (every app carries its own context) or call the engine (the engine thread owns it).
 """
@@ -46,9 +47,18 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     Raises:
         ValueError: the chat template does not compile.
     """
+    return app_for(serving_context(engine, config))
+
+
+def serving_context(engine: Engine, config: ServerConfig) -> ServingContext:
+    """Everything the routes share; the engine thread starts with `running`.
+
+    Raises:
+        ValueError: the chat template does not compile.
+    """
     model = ModelInfo.of(engine)
     metrics = ServerMetrics(model.num_loops)
-    context = ServingContext(
+    return ServingContext(
         config=config,
         model=model,
         engine=EngineThread(engine, metrics),
@@ -65,23 +75,34 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         workers=ThreadPoolExecutor(REQUEST_WORKER_THREADS, thread_name_prefix="loopserve-request"),
     )
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        context.engine.start(loop)
-        restore_signals = abort_after_drain(loop, context.engine, config.shutdown_timeout_s)
-        try:
-            yield
-        finally:
-            restore_signals()
-            context.workers.shutdown(wait=False, cancel_futures=True)
-            await asyncio.to_thread(context.engine.stop)
 
+@asynccontextmanager
+async def running(context: ServingContext) -> AsyncIterator[None]:
+    """The engine thread runs inside this block (delivering on the running event loop); on the
+    way out it stops, aborting what is left. The app's lifespan, and a Ray replica's life."""
+    loop = asyncio.get_running_loop()
+    context.engine.start(loop)
+    restore_signals = abort_after_drain(loop, context.engine, context.config.shutdown_timeout_s)
+    try:
+        yield
+    finally:
+        restore_signals()
+        context.workers.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(context.engine.stop)
+
+
+def app_for(context: ServingContext) -> FastAPI:
+    """The routes and middlewares over `context`; its lifespan is `running(context)`."""
     app = FastAPI(
-        title="loopserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="loopserve",
+        lifespan=lambda _: running(context),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     install_error_handlers(app)
     _add_routes(app, context)
+    config = context.config
     app.add_middleware(
         ConcurrencyLimitMiddleware, limit=config.max_concurrent_requests, paths=GENERATION_PATHS
     )

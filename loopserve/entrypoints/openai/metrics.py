@@ -51,11 +51,20 @@ class Histogram:
         cumulative = 0
         for bound, count in zip(self.bounds, self.counts, strict=True):
             cumulative += count
-            lines.append(f'{name}_bucket{{le="{_number(bound)}"}} {cumulative}')
+            lines.append(f'{name}_bucket{{le="{prometheus_number(bound)}"}} {cumulative}')
         lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {_number(self.total)}")
+        lines.append(f"{name}_sum {prometheus_number(self.total)}")
         lines.append(f"{name}_count {self.count}")
         return lines
+
+
+@dataclass(frozen=True, slots=True)
+class MetricTotals:
+    """A consistent copy of the counters (what a replica reports to a fleet's ingress)."""
+
+    finished: dict[str, int]  # requests finished, by finish reason
+    exit_depth_sum: float  # loops run by all generated tokens
+    exit_depth_count: int  # generated tokens
 
 
 class ServerMetrics:
@@ -92,6 +101,10 @@ class ServerMetrics:
         if len(output.token_ids) > 1 and times.first_token_time is not None:
             decode_time = times.finished_time - times.first_token_time
             self.time_per_output_token.observe(decode_time / (len(output.token_ids) - 1))
+
+    def totals(self) -> MetricTotals:
+        with self._lock:
+            return MetricTotals(dict(self.finished), self.exit_depth.total, self.exit_depth.count)
 
     def render(self, stats: EngineStats) -> str:
         """The Prometheus text exposition of these metrics and an engine stats snapshot."""
@@ -145,10 +158,14 @@ class ServerMetrics:
 
 
 def _sample(name: str, kind: str, help_text: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
+    return [
+        f"# HELP {name} {help_text}",
+        f"# TYPE {name} {kind}",
+        f"{name} {prometheus_number(value)}",
+    ]
 
 
-def _number(value: float) -> str:
+def prometheus_number(value: float) -> str:
     if isinstance(value, int) or (math.isfinite(value) and value == int(value)):
         return str(int(value))
     return repr(float(value))

@@ -1,0 +1,133 @@
+"""The Ray Serve application: N engine replicas behind one ingress (needs the `ray` extra).
+
+Owns: the only imports of Ray in loopserve; `build_app`, which makes `EngineReplica` and `Ingress`
+deployments (replica i is the deployment `loopserve-engine-i`: one replica each, one GPU each on
+CUDA, restarted by Serve when it dies or fails its health check, drained for
+`shutdown_timeout_s` when it stops) and binds them into one application; and `serve_replicas`,
+which `loopserve serve --replicas N` runs: start a local Ray cluster or join one, run the
+application on the server's host and port, and on SIGTERM or Ctrl-C drain and remove it (and
+shut Serve down on a cluster it started).
+Must not: hold serving logic (the replica and ingress classes do).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from loopserve.config import EngineConfig
+from loopserve.entrypoints.openai.config import ServerConfig
+from loopserve.models.builtin import resolve_model_dir
+from loopserve.ray.ingress import Ingress
+from loopserve.ray.replica import EngineReplica
+from loopserve.ray.routing import RoutingConfig
+
+try:
+    import ray
+    from ray import serve
+except ImportError as error:
+    raise ImportError(
+        f"engine replicas need Ray Serve, which is not installed ({error}); "
+        "run: pip install 'loopserve[ray]'"
+    ) from error
+
+APP_NAME = "loopserve"
+# Seconds between Serve's calls of a replica's `check_health`, and how long one may take.
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 30.0
+# Calls a deployment takes at once beyond the generation requests: polls, /metrics, /health.
+_CONTROL_CALLS = 16
+
+
+def build_app(
+    engine_config: EngineConfig,
+    server_config: ServerConfig | None = None,
+    *,
+    num_replicas: int = 1,
+    routing: RoutingConfig | None = None,
+    replica_actor_options: dict[str, Any] | None = None,
+    ingress_actor_options: dict[str, Any] | None = None,
+) -> serve.Application:
+    """A Serve application serving the OpenAI API from `num_replicas` engine replicas.
+
+    Args:
+        engine_config: every replica's engine, as `Engine(engine_config)` would build it.
+        server_config: the API's settings (key, limits, names); its host and port are used only
+            by `serve_replicas` (Serve's HTTP options decide where an application listens).
+        num_replicas: engine replicas, each its own deployment.
+        routing: the routing policy's knobs.
+        replica_actor_options: Ray actor options merged over each replica's defaults
+            (`num_cpus=1`, and `num_gpus=1` when the engine's device is CUDA).
+        ingress_actor_options: Ray actor options merged over the ingress's (`num_cpus=0`).
+    Raises:
+        ValueError: num_replicas is below 1.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+    server_config = server_config or ServerConfig()
+    routing = routing or RoutingConfig()
+    gpus = {"num_gpus": 1} if engine_config.device.startswith("cuda") else {}
+    replica_options = {"num_cpus": 1, **gpus, **(replica_actor_options or {})}
+    replicas = [
+        serve.deployment(
+            name=f"loopserve-engine-{index}",
+            num_replicas=1,
+            max_ongoing_requests=server_config.max_concurrent_requests + _CONTROL_CALLS,
+            ray_actor_options=replica_options,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            # The ingress logs every HTTP request; a line per forwarded call and poll is noise.
+            logging_config={"enable_access_log": False},
+            health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+            graceful_shutdown_wait_loop_s=1.0,
+            graceful_shutdown_timeout_s=server_config.shutdown_timeout_s,
+        )(EngineReplica).bind(index, engine_config, server_config)
+        for index in range(num_replicas)
+    ]
+    ingress = serve.deployment(
+        name="loopserve-ingress",
+        max_ongoing_requests=server_config.max_concurrent_requests + _CONTROL_CALLS,
+        ray_actor_options={"num_cpus": 0, **(ingress_actor_options or {})},
+        graceful_shutdown_timeout_s=server_config.shutdown_timeout_s,
+    )(serve.ingress()(Ingress))
+    return ingress.bind(replicas, engine_config, server_config, routing)
+
+
+def serve_replicas(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    num_replicas: int,
+    ray_address: str | None = None,
+    routing: RoutingConfig | None = None,
+) -> None:
+    """Serve on the server's host and port until SIGTERM or Ctrl-C, then drain and stop.
+
+    Args:
+        ray_address: a running cluster to join (`auto`, `ray://host:port`, ...); None starts a
+            local one (with at least one CPU per replica).
+    Raises:
+        ValueError, FileNotFoundError: the model cannot be found (checked before Ray starts).
+    """
+    resolve_model_dir(engine_config.model)
+    if ray_address is None:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_replicas))
+    else:
+        ray.init(address=ray_address)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": server_config.host, "port": server_config.port})
+        app = build_app(engine_config, server_config, num_replicas=num_replicas, routing=routing)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        address = f"http://{server_config.host}:{server_config.port}"
+        print(f"loopserve: {num_replicas} engine replica(s) behind {address}", flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        # Both drain: each replica finishes its requests (up to shutdown_timeout_s) and stops.
+        if ray_address is None:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)  # a joined cluster's other applications keep running

@@ -1,0 +1,113 @@
+"""Relaying a replica's response to the ingress's client.
+
+Owns: `ReplicaResponse`, an ASGI response that sends the parts a replica streams back (status and
+headers, with `x-loopserve-replica` added, then body chunks as they come), cancels the replica's
+work when the client disconnects, and turns a replica that fails mid-request into a clear error:
+a 503 in the OpenAI error format when nothing was sent yet, else, on an event stream, a last
+`error` event and `data: [DONE]`. Must not: import Ray (it is handed the stream and a cancel
+function) or retry (a request may have produced output already).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from loopserve.entrypoints.openai.errors import OpenAIError
+from loopserve.entrypoints.openai.streaming import DONE_EVENT, sse_event, wait_for_disconnect
+from loopserve.ray.forwarding import ResponsePart, ResponseStart
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = b"x-loopserve-replica"
+
+
+def replica_failed(replica: int, error: BaseException) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"engine replica {replica} failed while serving this request ({type(error).__name__}); "
+        "new requests are routed to the other replicas while it restarts, retry",
+        error_type="server_error",
+        code="replica_failed",
+        headers={REPLICA_HEADER.decode(): str(replica)},
+    )
+
+
+class ReplicaResponse(Response):
+    def __init__(
+        self,
+        replica: int,
+        parts: AsyncIterator[ResponsePart],
+        cancel: Callable[[], None],
+        on_failure: Callable[[int], None],
+        on_close: Callable[[], None],
+    ) -> None:
+        """`cancel` stops the replica's work; `on_failure(replica)` when the replica failed;
+        `on_close` runs once whatever way the response ends."""
+        super().__init__()
+        self._replica = replica
+        self._parts = parts
+        self._cancel = cancel
+        self._on_failure = on_failure
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relaying = asyncio.ensure_future(self._relay(scope, receive, send))
+        listening = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({relaying, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Relayed to the end; not when sending to the client failed (it left).
+            finished = relaying.done() and not relaying.cancelled() and not relaying.exception()
+            for task in (relaying, listening):
+                task.cancel()
+            await asyncio.gather(relaying, listening, return_exceptions=True)
+            if not finished:
+                self._cancel()  # the client left (or the ingress is stopping)
+            self._on_close()
+
+    async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start: ResponseStart | None = None
+        parts = aiter(self._parts)
+        while True:
+            try:
+                part = await anext(parts)
+            except StopAsyncIteration:
+                break
+            except Exception as error:  # the replica failed (errors of `send` are the client's)
+                await self._fail(error, start, scope, receive, send)
+                return
+            if isinstance(part, ResponseStart):
+                start = part
+                headers = [*part.headers, (REPLICA_HEADER, str(self._replica).encode())]
+                await send(
+                    {"type": "http.response.start", "status": part.status, "headers": headers}
+                )
+            else:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _fail(
+        self,
+        error: Exception,
+        start: ResponseStart | None,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """End the response with `error` in the OpenAI format, as far as what was sent allows."""
+        logger.warning("engine replica %d failed mid-request: %r", self._replica, error)
+        self._on_failure(self._replica)
+        failure = replica_failed(self._replica, error)
+        if start is None:
+            await failure.response()(scope, receive, send)
+            return
+        content_type = start.header(b"content-type") or b""
+        if content_type.startswith(b"text/event-stream"):
+            body = sse_event(failure.body()) + DONE_EVENT
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,61 @@
+"""The shared fleet of the Ray tests: a local Ray cluster running two CPU engine replicas of the
+built-in model behind one ingress (started once for the module: Ray and two model loads take
+seconds), and a single-process server with the same engine settings for reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the Ray tests need the `ray` extra (pip install .[ray])")
+pytest.importorskip("fastapi", reason="the Ray tests need the `serve` extra")
+
+from loopserve.models.builtin import BUILTIN_MODEL_DIR
+
+from ..server.server_testing import RunningServer, free_port, serve_in_thread
+
+API_KEY = "fleet-key"
+NUM_REPLICAS = 2
+# The engine settings of every replica and of the reference server.
+ENGINE_OPTIONS = {"num_kv_pages": 1024, "max_num_seqs": 32, "seed": 0}
+
+
+@pytest.fixture(scope="package")
+def fleet() -> Iterator[RunningServer]:
+    import ray
+    from ray import serve
+
+    from loopserve.config import EngineConfig
+    from loopserve.entrypoints.openai.config import ServerConfig
+    from loopserve.ray import build_app
+    from loopserve.ray.routing import RoutingConfig
+
+    # Two replicas and the ingress on 2 cores: Ray's CPUs are a scheduling count, not cores.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app(
+        EngineConfig.from_options(model=str(BUILTIN_MODEL_DIR), **ENGINE_OPTIONS),
+        ServerConfig(served_model_names=("tiny",), api_key=API_KEY, shutdown_timeout_s=2),
+        num_replicas=NUM_REPLICAS,
+        routing=RoutingConfig(poll_interval_s=0.2),
+        # One intra-op thread per replica process, as the test process itself runs.
+        replica_actor_options={
+            "num_cpus": 1,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
+        },
+    )
+    serve.run(app, name="loopserve", route_prefix="/")
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", API_KEY)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def reference() -> Iterator[RunningServer]:
+    """One engine in this process, with the replicas' settings."""
+    with serve_in_thread(BUILTIN_MODEL_DIR, engine=ENGINE_OPTIONS, api_key=API_KEY) as running:
+        yield running

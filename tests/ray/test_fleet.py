@@ -1,0 +1,201 @@
+"""Two engine replicas on Ray Serve behind one ingress, through real HTTP: mixed concurrent
+traffic equals one engine's, prefix affinity holds, and a killed replica fails only its own
+requests and comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from ..server.server_testing import RunningServer
+from .conftest import NUM_REPLICAS
+
+pytestmark = pytest.mark.slow
+
+# Python text long enough for several full KV pages of the built-in model's tokenizer.
+SHARED_PREFIX = "".join(
+    f"def function_{index}(value):\n    return value * {index}\n\n" for index in range(12)
+)
+REPLICA_HEADER = "x-loopserve-replica"
+
+
+def _body(index: int, stream: bool, chat: bool, prefix: str = "") -> dict[str, Any]:
+    text = f"{prefix}import module_{index % 7}\nclass Thing{index}:\n"
+    fields: dict[str, Any] = {"max_tokens": 6 + index % 5, "temperature": 0, "stream": stream}
+    if chat:
+        return fields | {"messages": [{"role": "user", "content": text}]}
+    return fields | {"prompt": text}
+
+
+async def _generate(
+    client: httpx.AsyncClient, server: RunningServer, body: dict[str, Any]
+) -> dict[str, Any]:
+    """The request's text, exit depths and finish reason (streamed or not), the replica that
+    served it and any error event."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    result: dict[str, Any] = {"text": "", "exit_depths": [], "finish_reason": None, "error": None}
+    async with client.stream(
+        "POST", server.url + path, json=body, headers=server.headers
+    ) as response:
+        result["replica"] = response.headers.get(REPLICA_HEADER)
+        result["status"] = response.status_code
+        if not body["stream"]:
+            data = json.loads(await response.aread())
+            if "error" in data:
+                result["error"] = data["error"]
+                return result
+            _add_choice(result, data["choices"][0])
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                result["error"] = event["error"]
+            elif event["choices"]:
+                _add_choice(result, event["choices"][0])
+    return result
+
+
+def _add_choice(result: dict[str, Any], choice: dict[str, Any]) -> None:
+    delta = choice.get("delta")
+    result["text"] += (
+        (delta.get("content") or "")
+        if delta is not None
+        else (choice.get("text") or choice["message"]["content"])
+    )
+    result["exit_depths"] += choice.get("exit_depths") or []
+    result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+
+
+async def _all(server: RunningServer, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        return await asyncio.gather(*(_generate(client, server, body) for body in bodies))
+
+
+def _replica_samples(server: RunningServer, name: str) -> dict[str, float]:
+    """`name`'s per-replica samples on the ingress's /metrics, by replica."""
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and "replica=" in line:
+            labels, value = line.rsplit(" ", 1)
+            replica = labels.split('replica="')[1].split('"')[0]
+            samples[replica] = samples.get(replica, 0.0) + float(value)
+    return samples
+
+
+def _wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_64_concurrent_mixed_requests_equal_one_engine(
+    fleet: RunningServer, reference: RunningServer
+) -> None:
+    bodies = [
+        _body(
+            index,
+            stream=index % 2 == 0,
+            chat=index % 4 >= 2,
+            prefix=SHARED_PREFIX * (index % 3 == 0),
+        )
+        for index in range(64)
+    ]
+    served = asyncio.run(_all(fleet, bodies))
+    expected = asyncio.run(_all(reference, bodies))
+    for index, (got, want) in enumerate(zip(served, expected, strict=True)):
+        assert got["status"] == 200 and got["error"] is None, (index, got)
+        assert got["finish_reason"] == "length", (index, got)
+        for field in ("text", "exit_depths", "finish_reason"):
+            assert got[field] == want[field], (index, field, got, want)
+    assert {result["replica"] for result in served} == {str(index) for index in range(NUM_REPLICAS)}
+
+
+def test_requests_sharing_a_prefix_go_to_one_replica(fleet: RunningServer) -> None:
+    name = "loopserve:requests_finished_total"
+    before = _replica_samples(fleet, name)
+    bodies = [
+        _body(index, stream=index % 2 == 0, chat=False, prefix=SHARED_PREFIX) for index in range(8)
+    ]
+
+    async def one_by_one() -> list[dict[str, Any]]:  # unloaded replicas: affinity decides
+        return [(await _all(fleet, [body]))[0] for body in bodies]
+
+    served = asyncio.run(one_by_one())
+    (replica,) = {result["replica"] for result in served}
+
+    def counted() -> bool:
+        now = _replica_samples(fleet, name)
+        return now[replica] - before.get(replica, 0) >= len(bodies)
+
+    _wait_for(counted, 10, "the replicas' reports")
+    after = _replica_samples(fleet, name)
+    for other in after:
+        expected = len(bodies) if other == replica else 0
+        assert after[other] - before.get(other, 0) == expected, (other, before, after)
+    hits = _replica_samples(fleet, "loopserve:prefix_cache_hits_total")
+    assert hits[replica] >= (len(bodies) - 1) * 16  # every later request found the prefix pages
+
+
+def test_the_ingress_checks_the_key_and_serves_models_and_health(fleet: RunningServer) -> None:
+    assert httpx.get(f"{fleet.url}/v1/models", timeout=10).status_code == 401
+    models = httpx.get(f"{fleet.url}/v1/models", headers=fleet.headers, timeout=30)
+    assert [card["id"] for card in models.json()["data"]] == ["tiny"]
+    assert httpx.get(f"{fleet.url}/health", timeout=10).status_code == 200
+    too_big = httpx.post(
+        f"{fleet.url}/v1/completions", content=b"x" * (9 * 2**20), headers=fleet.headers, timeout=30
+    )
+    assert too_big.status_code == 413 and "error" in too_big.json()
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(fleet: RunningServer) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("loopserve-engine-0", app_name="loopserve")
+    pid = handle.report.remote().result(timeout_s=30).pid
+    bodies = [
+        _body(index, stream=index % 3 != 0, chat=index % 2 == 0)
+        | {"max_tokens": 400, "ignore_eos": True}
+        for index in range(24)
+    ]
+
+    async def run() -> list[dict[str, Any]]:
+        pending = asyncio.ensure_future(_all(fleet, bodies))
+
+        def running_on_both() -> bool:
+            samples = _replica_samples(fleet, "loopserve:num_requests_running")
+            return all(samples.get(str(index), 0) > 0 for index in range(NUM_REPLICAS))
+
+        await asyncio.to_thread(_wait_for, running_on_both, 30, "requests on both replicas")
+        os.kill(pid, signal.SIGKILL)
+        return await pending
+
+    served = asyncio.run(run())
+    on_dead = [result for result in served if result["replica"] == "0"]
+    on_live = [result for result in served if result["replica"] != "0"]
+    assert on_dead and on_live
+    for result in on_live:
+        assert result["error"] is None and result["finish_reason"] == "length", result
+        assert len(result["exit_depths"]) == 400
+    for result in on_dead:
+        assert result["error"] is not None, result
+        assert result["error"]["code"] == "replica_failed", result
+        assert "replica 0 failed" in result["error"]["message"]
+
+    # Serve restarts it; the ingress routes to it again once it answers a poll.
+    def back() -> bool:
+        return _replica_samples(fleet, "loopserve:replica_up").get("0") == 1.0
+
+    _wait_for(back, 120, "replica 0 to come back")
+    assert handle.report.remote().result(timeout_s=30).pid != pid
