@@ -15,7 +15,7 @@
 #   kernels   pytest -m gpu tests/kernels/test_flashinfer_gpu.py    KERNELS_TIMEOUT=240
 #             (on 2026-12-01, 100 s ran 5 of 35: the tests compile modules the prebuild lacks;
 #             with every part, run it in its own call: PARTS="install prebuild kernels")
-#   engine    pytest -m gpu tests/gpu/test_engine_flashinfer_gpu.py ENGINE_TIMEOUT=100
+#   engine    pytest -m gpu tests/gpu/test_engine_flashinfer_gpu.py ENGINE_TIMEOUT=200 (159 s)
 #   table     python -m loopserve.bench.attention_table $TABLE_ARGS TABLE_TIMEOUT=90
 # By default every FlashInfer module is for head size 128 in bf16 (Ouro's; 5 modules, FA3
 # prefill the slowest to build). EXTENDED=1 adds GQA 4 and 8, head size 64 and fp16 (6 more
@@ -135,7 +135,7 @@ if wants kernels; then step "pytest -m gpu tests/kernels/test_flashinfer_gpu.py 
 
 # shellcheck disable=SC2086  # ENGINE_TESTS is a list of paths
 if wants engine; then step "pytest -m gpu $ENGINE_TESTS -k '$ENGINE_FILTER'" \
-  "${ENGINE_TIMEOUT:-100}" "$PYTHON" -m pytest -m gpu $ENGINE_TESTS -k "$ENGINE_FILTER" -q -s \
+  "${ENGINE_TIMEOUT:-200}" "$PYTHON" -m pytest -m gpu $ENGINE_TESTS -k "$ENGINE_FILTER" -q -s \
   -rs --durations=10 -p no:cacheprovider; fi
 
 # shellcheck disable=SC2086  # TABLE_ARGS is a list of flags
