@@ -191,23 +191,25 @@ def test_stop_aborts_running_requests() -> None:
     assert engine.aborted == ["r0"] and not engine.running
 
 
-def test_choice_state_never_streams_part_of_a_stop_string() -> None:
-    state = ChoiceState(stop=("cd",))
+def test_choice_state_streams_what_the_engine_released_and_nothing_twice() -> None:
+    """The engine holds back a possible stop string itself ("c" of stop "cd" below), so its text
+    only grows; the stream is that growth, and the tokens that came without new text ride along
+    with the next delta."""
+    state = ChoiceState()
     sent = []
-    # The engine's text grows "ab" -> "abc"; then "d" completes the stop string "cd", which the
-    # engine cuts from its text: the final text is "ab".
-    for tokens, text, finished in [(1, "ab", False), (2, "abc", False), (3, "ab", True)]:
+    for tokens, text, finished in [(1, "ab", False), (2, "ab", False), (3, "ab", True)]:
         state.update(_output("r", tokens, text, finished))
         delta = state.take_delta()
         if delta is not None:
             sent.append(delta)
-    assert "".join(delta.text for delta in sent) == "ab"
-    assert sum(len(delta.exit_depths) for delta in sent) == 3
+    assert [delta.text for delta in sent] == ["ab", ""]
+    assert [len(delta.exit_depths) for delta in sent] == [1, 2]
     assert sent[-1].finish_reason == "length"
+    assert state.take_delta() is None  # nothing after the last delta
 
 
 def test_choice_state_carries_tokens_without_visible_text() -> None:
-    state = ChoiceState(stop=())
+    state = ChoiceState()
     state.update(_output("r", 1, "", False))  # half a UTF-8 character: no text yet
     assert state.take_delta() is None
     state.update(_output("r", 2, "é", False))

@@ -1,11 +1,11 @@
 """What one streamed choice has sent, and the next delta to send.
 
-Owns: turning a request's cumulative `RequestOutput`s into deltas: the text not yet sent (held
-back by the longest stop string minus one character until the request finishes, so a stop string
-that straddles tokens never leaks into the stream), and the tokens, exit depths and log-probs
-generated since the last delta. Slicing the engine's cumulative text costs O(new text) per
-delta. Must not: decode tokens (the engine's incremental detokenizer already did) or format
-chunks.
+Owns: turning a request's cumulative `RequestOutput`s into deltas: the text not yet sent and the
+tokens, exit depths and log-probs generated since the last delta. The engine's text only grows
+(its detokenizer holds back half characters and the possible start of a stop string until they
+are settled), so a delta is the text beyond what was sent. Slicing the cumulative text costs
+O(new text) per delta. Must not: decode tokens, look for stop strings (the engine's incremental
+detokenizer does both) or format chunks.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ class ChoiceDelta:
 
 
 class ChoiceState:
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        self._holdback = max((len(text) for text in stop), default=1) - 1
+    def __init__(self) -> None:
         self._num_chars_sent = 0
         self._num_tokens_sent = 0
         self._latest: RequestOutput | None = None
@@ -41,14 +40,11 @@ class ChoiceState:
         if self._latest is None or self._done:
             return None
         output = self._latest.outputs[0]
-        text_end = len(output.text)
-        if not output.finished:
-            text_end = max(self._num_chars_sent, text_end - self._holdback)
-        text = output.text[self._num_chars_sent : text_end]
+        text = output.text[self._num_chars_sent :]
         if not text and not output.finished:
             return None  # half a character, or text held back: carry the tokens forward
         start = self._num_tokens_sent
-        self._num_chars_sent = text_end
+        self._num_chars_sent = len(output.text)
         self._num_tokens_sent = len(output.token_ids)
         self._done = output.finished
         return ChoiceDelta(

@@ -86,9 +86,7 @@ async def choice_deltas(
 ) -> AsyncIterator[tuple[ChoicePlan, ChoiceDelta]]:
     """Per-choice deltas as outputs arrive: one per choice that has something new per batch."""
     by_id = {plan.request.request_id: plan for plan in plans}
-    states = {
-        request_id: ChoiceState(plan.request.params.stop) for request_id, plan in by_id.items()
-    }
+    states = {request_id: ChoiceState() for request_id in by_id}
     async for batch in generation.batches():
         changed: dict[str, None] = {}
         for output in batch:
