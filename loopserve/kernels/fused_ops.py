@@ -1,6 +1,7 @@
 """Triton kernels for the elementwise and row-wise parts of a layer, each one launch.
 
-Owns: RMSNorm, residual-add + two RMSNorms, rotate-half RoPE (in place) and SiLU(gate) * up.
+Owns: RMSNorm, residual-add + two RMSNorms, rotate-half RoPE (in place; q and k in one launch
+when they are views of one projection) and SiLU(gate) * up.
 Must not: change the math of the torch ops they replace. Every kernel computes in fp32 and rounds
 to the tensor dtype exactly where the torch code rounds (after the normalisation, after each
 product, after the sum), so in bf16 the results follow the HF rounding order; a row is always
@@ -160,6 +161,28 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )  # fmt: skip
     return x
+
+
+def rotary_qk_(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Nq, D] and k [T, Nkv, D] in place, in one launch when k's heads follow q's
+    in memory with the same strides (views of one fused projection); every element gets the
+    same arithmetic either way, so the results are those of two `rotary_` calls."""
+    tokens, q_heads, head_dim = q.shape
+    follows = (
+        k.dtype == q.dtype
+        and k.stride() == q.stride()
+        and k.shape[0] == tokens
+        and k.shape[2] == head_dim
+        and k.data_ptr() == q.data_ptr() + q_heads * q.stride(1) * q.element_size()
+    )
+    if follows:
+        rotary_(q.as_strided((tokens, q_heads + k.shape[1], head_dim), q.stride()), cos, sin)
+    else:
+        rotary_(q, cos, sin)
+        rotary_(k, cos, sin)
+    return q, k
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

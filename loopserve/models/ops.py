@@ -85,7 +85,7 @@ class TritonOps:
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kernels.rotary_(q, cos, sin), self._kernels.rotary_(k, cos, sin)
+        return self._kernels.rotary_qk_(q, k, cos, sin)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._kernels.silu_mul(gate, up)

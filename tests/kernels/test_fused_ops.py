@@ -73,6 +73,12 @@ def test_rotary_in_place_on_strided_views(
     close(actual[1], expected[1])
     v_columns = slice((q_heads + kv_heads) * head_dim, None)
     assert torch.equal(fused_input[:, v_columns], qkv[:, v_columns])  # v untouched
+    # One launch over q and k (views of one projection) == one launch each (separate tensors).
+    from loopserve.kernels import fused_ops
+
+    q, k = views(qkv.clone())
+    separate = fused_ops.rotary_qk_(q.clone(), k.clone(), cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(actual, separate, strict=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
