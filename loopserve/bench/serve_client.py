@@ -51,6 +51,7 @@ class BenchConfig:
     percentiles: tuple[float, ...]
     extra_body: dict[str, Any]  # merged into every request (e.g. Ouro's max_loops)
     warmup_requests: int
+    label: str | None  # free text recorded with the run (which server, which side of an A/B)
 
 
 @dataclass(slots=True)
@@ -102,6 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-body", default="{}", help="JSON merged into every request")
     parser.add_argument("--warmup-requests", type=int, default=1, help="sent first, not timed")
     parser.add_argument("--output", type=Path, default=None, help="also append the line here")
+    parser.add_argument("--label", default=None, help="recorded in the config (tells runs apart)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,6 +164,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         percentiles=tuple(float(part) for part in args.percentiles.split(",")),
         extra_body=extra_body,
         warmup_requests=args.warmup_requests,
+        label=args.label,
     )
 
 
