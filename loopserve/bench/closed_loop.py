@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from loopserve.bench.prompts import shared_prefix
 from loopserve.bench.sweep_spec import Workload
 from loopserve.sampling_params import SamplingParams
 
@@ -89,8 +90,7 @@ def make_requests(
     """
     generator = np.random.default_rng(list(seed))
     # The shared prefix depends on the first seed alone: the same in every trial and wave.
-    prefix = np.random.default_rng([seed[0], 1, workload.shared_prefix])
-    shared = prefix.integers(0, vocab_size, size=workload.shared_prefix).tolist()
+    shared = shared_prefix(seed[0], workload.shared_prefix, vocab_size)
     fixed_depths = (num_loops,) * (workload.output_len - 1) if exits == "fixed" else None
     specs = []
     for _ in range(count):

@@ -1,20 +1,15 @@
 """Drive an OpenAI-compatible server with streaming requests (`loopserve bench serve`).
 
-Owns: the workload (random token-id prompts of `--input-len` tokens, each asking for
-`--output-len` tokens with EOS ignored), arrivals (closed loop with `--max-concurrency`, Poisson
-at `--request-rate`, or both, as in `vllm bench serve`), timing each request from its stream, and
-the summary: one JSON line with the config, the git SHA and the figures in vLLM's units and key
-names (`*_ms` latencies with mean/median/std/p50/p90/p99, requests/s and tokens/s). Must not:
-import torch or the engine; it only speaks HTTP (aiohttp), so it can measure any server. (numpy
-loads inside functions: `loopserve --help` imports this module.)
-
-A server that cannot be benchmarked (nothing listening, no model listed, a failing warm-up
-request) ends the command with one line on stderr and exit code 1, not a traceback.
-
-Definitions: TTFT = first streamed token - request sent; ITL = gaps between chunks that carry
-tokens; TPOT = (E2E - TTFT) / (n - 1) for n >= 2 output tokens; E2E = last byte - request sent.
-Output token counts come from the server's usage (`stream_options.include_usage`).
-"""
+Owns: the workload (random token-id prompts of `--input-len` tokens, `--shared-prefix-fraction`
+of them starting with the same `--shared-prefix-len` tokens, see `prompts.serve_prompts`, each
+asking for `--output-len` tokens with EOS ignored), arrivals (closed loop with
+`--max-concurrency`, Poisson at `--request-rate`, or both, as in `vllm bench serve`), timing each
+request from its stream, and the summary: one JSON line with the config, the git SHA and the
+figures in vLLM's units and key names (`*_ms` latencies with mean/median/std/p50/p90/p99,
+requests/s and tokens/s), plus the server's prefix-cache hit rate over the timed requests when
+its `/metrics` has loopserve's counters (else null). Must not: import torch or the engine; it
+only speaks HTTP (aiohttp), so it can measure any server. (numpy loads inside functions:
+`loopserve --help` imports this module.)"""
 
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -30,7 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loopserve.bench.prompts import serve_prompts
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
+# loopserve's prefix-cache counters in /metrics, in prompt tokens: (hits, lookups).
+PREFIX_COUNTERS = ("loopserve:prefix_cache_hits_total", "loopserve:prefix_cache_queries_total")
 
 
 class ServerUnusable(RuntimeError):
@@ -45,12 +43,15 @@ class BenchConfig:
     num_prompts: int
     input_len: int
     output_len: int
+    shared_prefix_len: int  # 0: no shared prefix
+    shared_prefix_fraction: float  # of the prompts that start with it
     max_concurrency: int | None  # None: no cap (open loop)
     request_rate: float  # requests/s of the Poisson arrivals; inf sends all at once
     seed: int
     percentiles: tuple[float, ...]
     extra_body: dict[str, Any]  # merged into every request (e.g. Ouro's max_loops)
     warmup_requests: int
+    label: str | None  # free text recorded with the run (which server, which side of an A/B)
 
 
 @dataclass(slots=True)
@@ -79,6 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of a prefix shared by --shared-prefix-fraction of the prompts (default: 0)",
+    )
+    parser.add_argument(
+        "--shared-prefix-fraction",
+        type=float,
+        default=None,
+        help="fraction of the prompts that start with the shared prefix, chosen by --seed "
+        "(default: 1 with --shared-prefix-len)",
+    )
+    parser.add_argument(
         "--max-concurrency", type=int, default=None, help="requests in flight at most (closed loop)"
     )
     parser.add_argument(
@@ -89,12 +103,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-body", default="{}", help="JSON merged into every request")
     parser.add_argument("--warmup-requests", type=int, default=1, help="sent first, not timed")
     parser.add_argument("--output", type=Path, default=None, help="also append the line here")
+    parser.add_argument("--label", default=None, help="recorded in the config (tells runs apart)")
 
 
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
-    prompts = random_prompts(
-        _vocabulary(args.tokenizer), config.num_prompts, config.input_len, config.seed
+    prompts = serve_prompts(
+        _vocabulary(args.tokenizer),
+        config.num_prompts,
+        config.input_len,
+        config.seed,
+        config.shared_prefix_len,
+        config.shared_prefix_fraction,
     )
     try:
         summary = asyncio.run(benchmark(config, prompts))
@@ -117,6 +137,15 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--max-concurrency must be at least 1")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be positive (inf sends everything at once)")
+    if not 0 <= args.shared_prefix_len < args.input_len:
+        raise ValueError("--shared-prefix-len must be at least 0 and shorter than --input-len")
+    fraction = args.shared_prefix_fraction
+    if fraction is None:  # all prompts share a given prefix, as in `bench offline`
+        fraction = 1.0 if args.shared_prefix_len else 0.0
+    elif not args.shared_prefix_len:
+        raise ValueError("--shared-prefix-fraction needs --shared-prefix-len")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError("--shared-prefix-fraction must be in [0, 1]")
     extra_body = json.loads(args.extra_body)
     if not isinstance(extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
@@ -127,12 +156,15 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
+        shared_prefix_len=args.shared_prefix_len,
+        shared_prefix_fraction=fraction,
         max_concurrency=args.max_concurrency,
         request_rate=args.request_rate,
         seed=args.seed,
         percentiles=tuple(float(part) for part in args.percentiles.split(",")),
         extra_body=extra_body,
         warmup_requests=args.warmup_requests,
+        label=args.label,
     )
 
 
@@ -146,12 +178,6 @@ def _vocabulary(tokenizer_dir: str | None) -> list[int]:
     if tokenizer is None:
         raise FileNotFoundError(f"{directory} has no tokenizer.json; pass --tokenizer DIR")
     return [index for index in range(tokenizer.vocab_size) if index not in tokenizer.special_ids]
-
-
-def random_prompts(vocabulary: list[int], count: int, length: int, seed: int) -> list[list[int]]:
-    """`count` prompts of `length` token ids drawn uniformly from `vocabulary` (seeded)."""
-    rng = random.Random(seed)
-    return [[rng.choice(vocabulary) for _ in range(length)] for _ in range(count)]
 
 
 async def benchmark(config: BenchConfig, prompts: list[list[int]]) -> dict[str, Any]:
@@ -171,10 +197,14 @@ async def benchmark(config: BenchConfig, prompts: list[list[int]]) -> dict[str, 
             warmup = await send_request(session, config, model, prompt)
             if not warmup.success:
                 raise ServerUnusable(f"the warm-up request failed: {warmup.error}")
+        before = await _prefix_counters(session, config)
         start = time.perf_counter()
         results = await _send_all(session, config, model, prompts)
         duration = time.perf_counter() - start
-    return {"config": _config_record(config, model), **summarize(results, duration, config)}
+        after = await _prefix_counters(session, config)
+    summary = summarize(results, duration, config)
+    summary["prefix_cache_hit_rate"] = _hit_rate(before, after)
+    return {"config": _config_record(config, model), **summary}
 
 
 async def _send_all(
@@ -320,6 +350,35 @@ async def _first_model(session: Any, config: BenchConfig) -> str:
     if not models:
         raise ServerUnusable("the server lists no models; pass --model")
     return str(models[0]["id"])
+
+
+async def _prefix_counters(session: Any, config: BenchConfig) -> tuple[float, float] | None:
+    """The server's (prefix-cache hit tokens, looked-up tokens) from `/metrics`: the samples
+    without labels (a fleet's aggregate); None when it has no such counters or no `/metrics`."""
+    try:
+        async with session.get(f"{config.base_url}/metrics", headers=_headers(config)) as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except Exception:  # a server without usable metrics still gets benchmarked
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in PREFIX_COUNTERS:
+            values[name] = float(value)
+    if len(values) < len(PREFIX_COUNTERS):
+        return None
+    return values[PREFIX_COUNTERS[0]], values[PREFIX_COUNTERS[1]]
+
+
+def _hit_rate(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> float | None:
+    """Hit tokens / looked-up tokens between two reads; None without both or without lookups."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _headers(config: BenchConfig) -> dict[str, str]:

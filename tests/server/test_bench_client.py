@@ -58,6 +58,24 @@ def test_bench_serve_reports_vllm_figures(
         assert summary[f"p50_{metric}_ms"] == pytest.approx(median)
         assert summary[f"mean_{metric}_ms"] > 0
     assert summary["median_ttft_ms"] < summary["median_e2el_ms"]
+    assert 0.0 <= summary["prefix_cache_hit_rate"] <= 1.0  # read from the server's /metrics
+
+
+def test_bench_serve_shares_a_prefix_and_reports_the_hit_rate(
+    server: RunningServer, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loopserve.bench.serve_client import run
+
+    shared = ("--shared-prefix-len", "32", "--shared-prefix-fraction", "0.5", "--seed", "11")
+    args = _args(server, tiny_model, "--max-concurrency", "1", *shared)
+    args.input_len = 40
+    assert run(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["completed"] == 6 and summary["total_input_tokens"] == 6 * 40
+    assert summary["config"]["shared_prefix_len"] == 32
+    assert summary["config"]["shared_prefix_fraction"] == 0.5
+    # Three prompts share two full pages (block size 16); one at a time, the later ones hit them.
+    assert 0.0 < summary["prefix_cache_hit_rate"] < 1.0
 
 
 def test_bench_serve_counts_failures(

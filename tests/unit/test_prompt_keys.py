@@ -56,3 +56,10 @@ def test_short_or_bad_requests_have_no_key(keys: PromptKeys) -> None:
     assert keys.key(COMPLETIONS_PATH, _body(prompt=PROMPT, max_tokens="many")) is None
     assert keys.key(CHAT_PATH, _body(messages="hello")) is None
     assert keys.key(COMPLETIONS_PATH, b"[" * 100_000) is None
+
+
+def test_zero_pages_give_no_key_so_routing_is_by_load_only() -> None:
+    off = PromptKeys.load(EngineConfig(model=str(BUILTIN_MODEL_DIR)), ServerConfig(), 0)
+    assert off.key(COMPLETIONS_PATH, _body(prompt=PROMPT)) is None
+    assert off.key(COMPLETIONS_PATH, _body(prompt=list(range(200)))) is None
+    assert off.key(CHAT_PATH, _body(messages=[{"role": "user", "content": PROMPT}])) is None

@@ -78,6 +78,25 @@ def test_without_a_key_the_least_loaded_replica_wins_and_ties_rotate() -> None:
     assert {policy.choose(None, tied).replica for _ in range(3)} == {0, 1, 2}
 
 
+def test_zero_affinity_pages_routes_by_load_only() -> None:
+    """`--affinity-pages 0`: prompts have no key, so a shared prefix spreads like any prompt."""
+    config = RoutingConfig(affinity_pages=0)
+    policy = RoutingPolicy(config)
+    shared = [5] * 64  # four full pages of one shared prefix
+    key = affinity_key(shared, 16, config.affinity_pages)
+    assert key is None
+    tied = [_load(index) for index in range(2)]
+    chosen = [policy.choose(key, tied) for _ in range(4)]
+    assert {decision.reason for decision in chosen} == {"least_loaded"}
+    assert {decision.replica for decision in chosen} == {0, 1}
+    assert policy.choose(key, [_load(0, rows=1), _load(1, rows=6)]) == Decision(0, "least_loaded")
+    # The same prompts with affinity on all go to one replica while it is not too busy.
+    keyed = affinity_key(shared, 16, RoutingConfig().affinity_pages)
+    assert keyed is not None
+    on = RoutingPolicy(RoutingConfig())
+    assert len({on.choose(keyed, tied).replica for _ in range(4)}) == 1
+
+
 def test_a_failed_replica_gets_nothing_and_its_keys_move_elsewhere_only() -> None:
     policy = RoutingPolicy(RoutingConfig())
     keys = [key for index in range(100) if (key := affinity_key([index] * 16, 16, 1))]

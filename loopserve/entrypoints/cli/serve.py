@@ -98,7 +98,8 @@ def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
         help="join this Ray cluster (e.g. auto, ray://HOST:10001) instead of starting a local one",
     )
     knobs = {
-        "--affinity-pages": ("affinity_pages", int, "full KV pages of a prompt that route it"),
+        "--affinity-pages": ("affinity_pages", int, "full KV pages of a prompt that route it; "
+                             "0: route by load only"),
         "--saturation": ("saturation", float, "load at which a prompt's replica is passed over"),
         "--max-imbalance": ("max_imbalance", float, "load a prompt's replica may have above the "
                             "least-loaded one's before it is passed over"),
