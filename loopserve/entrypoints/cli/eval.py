@@ -53,7 +53,9 @@ def _add_perplexity(commands: argparse._SubParsersAction) -> None:
         "--max-tokens", type=int, default=8192, help="predicted tokens at most (0: all)"
     )
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--device", default="auto", help="auto (the GPU when torch sees one, else cpu), cpu, cuda:N"
+    )
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
     parser.add_argument(
@@ -127,8 +129,6 @@ def _training_info(model_dir: Path) -> dict[str, Any]:
 
 
 def _run_perplexity(args: argparse.Namespace) -> int:
-    import torch
-
     from loopserve.eval.perplexity import (
         curve_settings,
         evaluate_setting,
@@ -137,6 +137,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     )
     from loopserve.models.builtin import resolve_model_dir
     from loopserve.models.loader import load_checkpoint, resolve_dtype
+    from loopserve.runner.setup import resolve_device
     from loopserve.tokenizer import Tokenizer
 
     thresholds = _floats(args.thresholds)
@@ -151,7 +152,8 @@ def _run_perplexity(args: argparse.Namespace) -> int:
             f"--max-tokens {args.max_tokens} is less than one window of --seq-len {seq_len} "
             "predicted tokens; raise --max-tokens (0: all) or lower --seq-len"
         )
-    model = load_checkpoint(model_dir, resolve_dtype(args.dtype), torch.device(args.device))
+    device = resolve_device(args.device)
+    model = load_checkpoint(model_dir, resolve_dtype(args.dtype), device)
     separator = model.config.bos_token_id
     windows = held_out_windows(
         tokenizer,
@@ -161,7 +163,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         corpus_root=args.corpus_root,
         held_out_fraction=args.held_out_fraction or trained.get("held_out_fraction", 0.05),
         max_files=trained.get("max_files"),
-    ).to(args.device)
+    ).to(device)
     settings = curve_settings(
         model.config.num_loops, thresholds, not args.no_fixed_depths, args.min_loops
     )
@@ -172,7 +174,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     report = {
         "model": str(model_dir),
         "windows": list(windows.shape),
-        "device": args.device,
+        "device": str(device),
         "dtype": args.dtype,
         "points": [_as_dict(point) for point in points],
     }
