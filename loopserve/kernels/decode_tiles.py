@@ -92,7 +92,8 @@ def _store_partial(
 
 
 @triton.jit
-def _dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def tile_dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot of two tiles (also the prefill kernel's)."""
     if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -203,14 +204,14 @@ def _dot_step(
     UPCAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of a FlashAttention-2 step for the heads: (max [H], sum [H], acc [H, D])."""
-    scores = _dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [H, BLOCK_N]
+    scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [H, BLOCK_N]
     if MASKED:
         scores = tl.where(valid[None, :], scores, float("-inf"))  # the first token is valid
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
     alpha = tl.exp2(running_max - new_max)
     p = tl.exp2(scores - new_max[:, None])
     running_sum = tl.fma(running_sum, alpha, tl.sum(p, axis=1))
-    acc = tl.fma(acc, alpha[:, None], _dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST))
+    acc = tl.fma(acc, alpha[:, None], tile_dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST))
     return new_max, running_sum, acc
 
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.kernels.decode_tiles import tile_dot
 from loopserve.kernels.paged_decode import LOG2_E
 from loopserve.kv.metadata import AttentionMetadata
 
@@ -64,14 +65,6 @@ def build_tile_map(
 
 
 @triton.jit
-def _dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
 def _attend_tiles(
     running_max,  # [BLOCK_M] fp32
     running_sum,  # [BLOCK_M] fp32
@@ -103,7 +96,7 @@ def _attend_tiles(
         offsets = rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
         load_mask = token_valid[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [M, N]
+        scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [M, N]
         if MASKED:
             visible = (tokens[None, :] <= positions[:, None]) & token_valid[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -112,7 +105,7 @@ def _attend_tiles(
         p = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST)
         running_max = new_max
     return running_max, running_sum, acc
 
