@@ -31,8 +31,10 @@
 # then name `.carry/ray` in `carry` and run with RAY_WHEELS=.carry/ray. The script uses an already
 # importable ray when there is one, else installs exactly the carried wheels (no resolution):
 #   pip install --no-index --no-deps --target /tmp/ray-site $RAY_WHEELS/*.whl
-# Verified on the CPU with the same recipe for cp311: tests/ray (two CPU replicas behind the
-# ingress) pass on a fresh venv holding only torch, numpy and the test tools plus that install.
+# Verified on the CPU with the same recipe for cp311 (52.2 MiB): on a fresh venv holding torch,
+# numpy and the test tools, that install alone passes tests/ray (two CPU replicas behind the
+# ingress) and this script's CPU rehearsal (RAY_WHEELS=that bundle; all five phases, 0 failed
+# requests); the cp312 bundle (52.3 MiB) serves a two-replica deployment on Python 3.12 + numpy.
 set -euo pipefail
 
 DEVICE="${DEVICE:-cuda}"
