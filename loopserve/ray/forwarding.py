@@ -2,7 +2,8 @@
 
 Owns: `ForwardedRequest` (what the ingress read of a client's request), `ResponseStart` (status and
 headers) and `call_app`, which runs an ASGI app in-process on a forwarded request and yields its
-response as it is sent: one `ResponseStart`, then body chunks (each SSE event its own chunk).
+response as it is sent: one `ResponseStart`, then body chunks (each SSE event its own chunk),
+then `RESPONSE_END` once the app has finished.
 Closing the iterator early (the client left, the ingress cancelled) tells the app the client
 disconnected and waits for it to finish, so whatever the request started is aborted and freed.
 Must not: import Ray or know the routes (the app answers the request as it would over HTTP).
@@ -59,7 +60,14 @@ class ResponseStart:
         return next((value for key, value in self.headers if key.lower() == name), None)
 
 
-ResponsePart = ResponseStart | bytes
+@dataclass(frozen=True, slots=True)
+class ResponseEnd:
+    """The last part of a response the app sent to its end. A stream of parts that stops
+    without it was cut (Ray can end a dead actor's stream quietly instead of raising)."""
+
+
+RESPONSE_END = ResponseEnd()
+ResponsePart = ResponseStart | ResponseEnd | bytes
 
 
 async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[ResponsePart]:
@@ -98,6 +106,7 @@ async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Res
         while (part := await parts.get()) is not None:
             yield part
         await task  # raises what the app raised
+        yield RESPONSE_END
     finally:
         disconnected.set()
         if not task.done():

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from loopserve.entrypoints.openai.errors import OpenAIError
 from loopserve.entrypoints.openai.streaming import DONE_EVENT, sse_event, wait_for_disconnect
-from loopserve.ray.forwarding import ResponsePart, ResponseStart
+from loopserve.ray.forwarding import ResponseEnd, ResponsePart, ResponseStart
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +77,15 @@ class ReplicaResponse(Response):
             try:
                 part = await anext(parts)
             except StopAsyncIteration:
-                break
+                # Cut before the app's end (a killed actor's stream can stop without raising).
+                cut = ConnectionError("the replica's response stopped before its end")
+                await self._fail(cut, start, scope, receive, send)
+                return
             except Exception as error:  # the replica failed (errors of `send` are the client's)
                 await self._fail(error, start, scope, receive, send)
                 return
+            if isinstance(part, ResponseEnd):
+                break
             if isinstance(part, ResponseStart):
                 start = part
                 headers = [*part.headers, (REPLICA_HEADER, str(self._replica).encode())]

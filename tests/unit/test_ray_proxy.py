@@ -16,7 +16,13 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from loopserve.ray.forwarding import ForwardedRequest, ResponsePart, ResponseStart, call_app
+from loopserve.ray.forwarding import (
+    RESPONSE_END,
+    ForwardedRequest,
+    ResponsePart,
+    ResponseStart,
+    call_app,
+)
 from loopserve.ray.proxy import ReplicaResponse
 
 SSE = [(b"content-type", b"text/event-stream")]
@@ -59,6 +65,24 @@ async def _parts(*items: ResponsePart, fail: bool = False) -> AsyncIterator[Resp
         yield item
     if fail:
         raise RuntimeError("actor died")
+
+
+def test_a_complete_answer_is_relayed_as_it_came() -> None:
+    relay = Relay(_parts(ResponseStart(200, SSE), b"data: {}\n\n", RESPONSE_END))
+    asyncio.run(relay.run())
+    assert relay.sent[0]["status"] == 200 and relay.body == b"data: {}\n\n"
+    assert relay.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert relay.closed and not relay.failed and not relay.cancelled
+
+
+def test_a_stream_that_stops_before_the_end_marker_ends_with_an_error_event() -> None:
+    """Ray may end a killed replica's stream quietly: without the end marker it is a failure."""
+    relay = Relay(_parts(ResponseStart(200, SSE), b"data: {}\n\n"))
+    asyncio.run(relay.run())
+    events = relay.body.split(b"\n\n")
+    error = json.loads(events[1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "replica_failed" and events[2] == b"data: [DONE]"
+    assert relay.failed == [3] and relay.closed
 
 
 def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error_event() -> None:
@@ -130,7 +154,7 @@ def test_call_app_streams_the_apps_answer_and_tells_it_when_the_client_left() ->
 
 
 def test_a_client_whose_connection_breaks_cancels_the_replicas_work() -> None:
-    relay = Relay(_parts(ResponseStart(200, SSE), b"data: {}\n\n", b"data: {}\n\n"))
+    relay = Relay(_parts(ResponseStart(200, SSE), b"data: {}\n\n", b"data: {}\n\n", RESPONSE_END))
 
     async def broken_send(message: dict[str, Any]) -> None:
         if message.get("body"):
