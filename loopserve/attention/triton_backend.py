@@ -28,6 +28,7 @@ import torch
 from loopserve.attention.base import AttentionBackend, AttentionSpec
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
+from loopserve.kv.transfer import to_device
 
 if TYPE_CHECKING:
     from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
@@ -142,10 +143,7 @@ class TritonAttentionBackend(AttentionBackend):
         from loopserve.kernels.paged_prefill import build_tile_map
 
         tiles = build_tile_map(starts, seq_lens, self.prefill_tiling.block_m)
-        host_tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2)
-        if device.type == "cuda":  # pinned, so the copy is asynchronous
-            host_tiles = host_tiles.pin_memory()
-        return host_tiles.to(device, non_blocking=True)
+        return to_device(tiles, torch.int32, device).reshape(-1, 2)
 
     def forward(
         self,

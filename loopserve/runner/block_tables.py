@@ -15,6 +15,7 @@ import torch
 from loopserve.engine.scheduler_output import PageTableUpdate
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE, pages_for
+from loopserve.kv.transfer import to_device
 
 
 class BlockTables:
@@ -39,7 +40,7 @@ class BlockTables:
         Indices and page ids reach the device through pinned host memory (an asynchronous
         copy), so a step that grows a request's pages does not synchronise with the GPU."""
         if cleared_slots:
-            self.tables[self._to_device(list(cleared_slots))] = NULL_PAGE
+            self.tables[to_device(list(cleared_slots), torch.int64, self.device)] = NULL_PAGE
         if not updates:
             return
         slots: list[int] = []
@@ -52,12 +53,8 @@ class BlockTables:
             planes += [update.plane] * count
             indices += range(update.start, update.start + count)
             page_ids += update.page_ids
-        where = self._to_device([slots, planes, indices])
-        self.tables[where[0], where[1], where[2]] = self._to_device(page_ids, torch.int32)
-
-    def _to_device(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True)
+        where = to_device([slots, planes, indices], torch.int64, self.device)
+        self.tables[where[0], where[1], where[2]] = to_device(page_ids, torch.int32, self.device)
 
     def decode_metadata(
         self,

@@ -27,6 +27,7 @@ from loopserve.engine.scheduler_output import SlotStart
 from loopserve.kv.layout import KVLayout
 from loopserve.kv.pages import NULL_PAGE
 from loopserve.kv.storage import KVStorage
+from loopserve.kv.transfer import to_device
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.runner.block_tables import BlockTables
 from loopserve.sample.sampler import (
@@ -153,17 +154,10 @@ class DecodeStep:
         )
 
     def _long(self, values: list[int]) -> torch.Tensor:
-        return self._upload(values, torch.int64)
+        return to_device(values, torch.int64, self.device)
 
     def _put(self, target: torch.Tensor, index: torch.Tensor, values: list[Any]) -> None:
-        target[index] = self._upload(values, target.dtype)
-
-    def _upload(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
-        """Host values to the device through pinned memory: no host synchronisation."""
-        source = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            source = source.pin_memory()
-        return source.to(self.device, non_blocking=True)
+        target[index] = to_device(values, target.dtype, self.device)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything `step` mutates besides the KV cache (for snapshots around graph capture)."""

@@ -14,6 +14,7 @@ import torch
 
 from loopserve.engine.scheduler_output import PageMove
 from loopserve.kv.storage import KVStorage
+from loopserve.kv.transfer import to_device
 
 
 class HostSwap:
@@ -49,7 +50,4 @@ class HostSwap:
             self._saved.pop(request_id, None)
 
     def _pages(self, move: PageMove) -> torch.Tensor:
-        pages = torch.tensor(move.page_ids, dtype=torch.int64)
-        if self.device.type == "cuda":
-            pages = pages.pin_memory()
-        return pages.to(self.device, non_blocking=True)
+        return to_device(move.page_ids, torch.int64, self.device)

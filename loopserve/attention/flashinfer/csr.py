@@ -17,6 +17,7 @@ from itertools import accumulate
 import torch
 
 from loopserve.kv.pages import NULL_PAGE, pages_for
+from loopserve.kv.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -126,9 +127,6 @@ def gather_pages(page_table: torch.Tensor, positions: list[int]) -> torch.Tensor
 
     The positions travel through pinned memory without a host synchronisation.
     """
-    host = torch.tensor(positions, dtype=torch.int64)
     flat = torch.cat([page_table.reshape(-1), page_table.new_full((1,), NULL_PAGE)])
-    if page_table.device.type == "cuda":
-        host = host.pin_memory()
-    index = host.to(page_table.device, non_blocking=True)
+    index = to_device(positions, torch.int64, page_table.device)
     return flat[torch.where(index < 0, flat.shape[0] - 1, index)]
