@@ -94,3 +94,34 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Write k/v into `metadata.slot_mapping`, then attend. Returns [T, Nq, D]."""
+
+
+class OutBufferBackend(AttentionBackend):
+    """A backend whose kernels write into a caller-owned output (`forward_into`: a static buffer
+    under CUDA graphs, say); `forward` allocates that output."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Nq, D]
+        k: torch.Tensor,  # [T, Nkv, D]
+        v: torch.Tensor,  # [T, Nkv, D]
+        kv: KVStorage,
+        layer: int,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Nq, D]
+        self.forward_into(q, k, v, kv, layer, metadata, out)
+        return out
+
+    @abstractmethod
+    def forward_into(
+        self,
+        q: torch.Tensor,  # [T, Nq, D]
+        k: torch.Tensor,  # [T, Nkv, D]
+        v: torch.Tensor,  # [T, Nkv, D]
+        kv: KVStorage,
+        layer: int,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,  # [T, Nq, D], last dim contiguous; every row is written
+    ) -> None:
+        """`forward` into `out`."""

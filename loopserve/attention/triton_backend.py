@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from loopserve.attention.base import AttentionBackend, AttentionSpec
+from loopserve.attention.base import AttentionSpec, OutBufferBackend
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
@@ -52,7 +52,7 @@ class _Plan:
     num_query_tokens: int | None  # query_start_host[-1]; None on the decode-only path
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(OutBufferBackend):
     name = "triton"
     devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
@@ -144,19 +144,6 @@ class TritonAttentionBackend(AttentionBackend):
 
         tiles = build_tile_map(starts, seq_lens, self.prefill_tiling.block_m)
         return to_device(tiles, torch.int32, device).reshape(-1, 2)
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Nq, D]
-        k: torch.Tensor,  # [T, Nkv, D]
-        v: torch.Tensor,  # [T, Nkv, D]
-        kv: KVStorage,
-        layer: int,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Nq, D]
-        self.forward_into(q, k, v, kv, layer, metadata, out)
-        return out
 
     def forward_into(
         self,

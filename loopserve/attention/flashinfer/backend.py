@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from loopserve.attention.base import AttentionBackend, AttentionSpec
+from loopserve.attention.base import AttentionSpec, OutBufferBackend
 from loopserve.attention.flashinfer.prefill import PagedPrefill, PrefillPlan
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
@@ -60,7 +60,7 @@ def import_flashinfer() -> ModuleType:
     return flashinfer
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(OutBufferBackend):
     devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.bfloat16, torch.float16})
     # The head sizes the GPU tests cover (128 always, 64 in the extended run); FlashInfer builds
@@ -148,19 +148,6 @@ class FlashInferBackend(AttentionBackend):
         """Decode attention of one query per row into `out`."""
 
     # ----- per layer -------------------------------------------------------------------------
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Nq, D]
-        k: torch.Tensor,  # [T, Nkv, D]
-        v: torch.Tensor,  # [T, Nkv, D]
-        kv: KVStorage,
-        layer: int,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Nq, D]
-        self.forward_into(q, k, v, kv, layer, metadata, out)
-        return out
 
     def forward_into(
         self,
