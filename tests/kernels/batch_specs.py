@@ -250,6 +250,33 @@ def decode_subset(batch: Batch, indices: list[int]) -> tuple[AttentionMetadata, 
     return subset, tokens
 
 
+def replay_metadata(
+    batch: Batch, order: list[int], lengths: list[int], host_lengths: bool
+) -> AttentionMetadata:
+    """Decode metadata over `batch`'s pages with rows permuted (`order`) and lengths changed, as
+    a CUDA graph replays it; `host_lengths`: with the host copies of the lengths (backends that
+    plan from them) or without (the device-resident decode step's)."""
+    table = batch.metadata.page_table[order]
+    device = table.device
+    block = batch.kv.block_size
+    positions = torch.tensor([max(n, 1) - 1 for n in lengths], device=device)
+    rows = torch.arange(len(order), device=device)
+    pages = table[rows, positions // block].long()
+    slots = torch.where(
+        torch.tensor(lengths, device=device) > 0, pages * block + positions % block, 0
+    )
+    return AttentionMetadata(
+        query_start=torch.arange(len(order) + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        page_table=table,
+        slot_mapping=slots,
+        max_query_len=1,
+        max_seq_len=max(lengths),
+        query_start_host=list(range(len(order) + 1)) if host_lengths else None,
+        seq_lens_host=lengths if host_lengths else None,
+    )
+
+
 def dense_reference(batch: Batch) -> torch.Tensor:
     """float64 [T, Nq, D] on the CPU: causal softmax attention of every query over its context."""
     q = batch.q.double()

@@ -31,6 +31,7 @@ from .batch_specs import (
     build_batch,
     decode_subset,
     dense_reference,
+    replay_metadata,
     tolerance,
 )
 
@@ -183,27 +184,6 @@ def test_decode_is_bitwise_batch_and_plan_invariant(variant: str) -> None:
     )
 
 
-def _replayable(batch: Batch, order: list[int], lengths: list[int]) -> AttentionMetadata:
-    """Decode metadata over `batch`'s pages with rows permuted and lengths changed."""
-    table = batch.metadata.page_table[order]
-    positions = torch.tensor([max(n, 1) - 1 for n in lengths], device=DEVICE)
-    rows = torch.arange(len(order), device=DEVICE)
-    pages = table[rows, positions // BLOCK].long()
-    slots = torch.where(
-        torch.tensor(lengths, device=DEVICE) > 0, pages * BLOCK + positions % BLOCK, 0
-    )
-    return AttentionMetadata(
-        query_start=torch.arange(len(order) + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
-        page_table=table,
-        slot_mapping=slots,
-        max_query_len=1,
-        max_seq_len=max(lengths),
-        query_start_host=None,  # as in the device-resident decode step
-        seq_lens_host=None,
-    )
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cuda_graph_replay_equals_eager(variant: str) -> None:
     """The step captures `prepare` (the page-list refill) and the layer; a replay over new
@@ -211,7 +191,9 @@ def test_cuda_graph_replay_equals_eager(variant: str) -> None:
     rows = [Row(n) for n in (8000, 3000, 17, 0, 1, 4096, 640, 2)]
     batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=4)
     backend = _backend(variant, OURO)
-    static = _replayable(batch, list(range(len(rows))), [row.seq_len for row in rows])
+    static = replay_metadata(
+        batch, list(range(len(rows))), [row.seq_len for row in rows], host_lengths=False
+    )
     out = torch.empty_like(batch.q)
 
     def step() -> None:
@@ -226,7 +208,9 @@ def test_cuda_graph_replay_equals_eager(variant: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    replay = _replayable(batch, [5, 0, 3, 1, 7, 2, 6, 4], [4000, 7999, 0, 2900, 1, 16, 600, 1])
+    replay = replay_metadata(
+        batch, [5, 0, 3, 1, 7, 2, 6, 4], [4000, 7999, 0, 2900, 1, 16, 600, 1], host_lengths=False
+    )
     for name in ("seq_lens", "page_table", "slot_mapping"):
         getattr(static, name).copy_(getattr(replay, name))
     out.fill_(float("nan"))

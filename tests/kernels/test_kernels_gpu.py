@@ -26,6 +26,7 @@ from .batch_specs import (
     build_batch,
     decode_subset,
     dense_reference,
+    replay_metadata,
     tolerance,
 )
 
@@ -136,32 +137,13 @@ def test_decode_is_batch_invariant_at_scale() -> None:
     )
 
 
-def _replayable(batch: Batch, order: list[int], lengths: list[int]) -> AttentionMetadata:
-    """Decode metadata over `batch`'s pages with rows permuted and lengths changed."""
-    table = batch.metadata.page_table[order]
-    positions = torch.tensor([max(n, 1) - 1 for n in lengths], device=DEVICE)
-    rows = torch.arange(len(order), device=DEVICE)
-    pages = table[rows, positions // BLOCK].long()
-    slots = torch.where(
-        torch.tensor(lengths, device=DEVICE) > 0, pages * BLOCK + positions % BLOCK, 0
-    )
-    return AttentionMetadata(
-        query_start=torch.arange(len(order) + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
-        page_table=table,
-        slot_mapping=slots,
-        max_query_len=1,
-        max_seq_len=max(lengths),
-        query_start_host=list(range(len(order) + 1)),
-        seq_lens_host=lengths,
-    )
-
-
 def test_cuda_graph_replay_reads_new_lengths_and_pages() -> None:
     rows = [Row(n) for n in (8000, 3000, 17, 0, 1, 4096, 640, 2)]
     batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=4)
     backend = _backend(OURO)
-    static = _replayable(batch, list(range(len(rows))), [row.seq_len for row in rows])
+    static = replay_metadata(
+        batch, list(range(len(rows))), [row.seq_len for row in rows], host_lengths=True
+    )
     out = torch.empty_like(batch.q)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -171,7 +153,9 @@ def test_cuda_graph_replay_reads_new_lengths_and_pages() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         backend.forward_into(batch.q, batch.k, batch.v, batch.kv, batch.layer, static, out)
-    replay = _replayable(batch, [5, 0, 3, 1, 7, 2, 6, 4], [4000, 7999, 0, 2900, 1, 16, 600, 1])
+    replay = replay_metadata(
+        batch, [5, 0, 3, 1, 7, 2, 6, 4], [4000, 7999, 0, 2900, 1, 16, 600, 1], host_lengths=True
+    )
     for name in ("seq_lens", "page_table", "slot_mapping"):
         getattr(static, name).copy_(getattr(replay, name))
     out.fill_(float("nan"))
