@@ -33,6 +33,8 @@ import torch
 
 from loopserve.attention.base import AttentionBackend, AttentionSpec
 from loopserve.attention.registry import backend_class
+from loopserve.bench.kernels import KernelShape as Shape
+from loopserve.bench.kernels import kv_bytes_per_layer, paged_pass
 from loopserve.bench.provenance import describe
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
@@ -46,15 +48,6 @@ DEFAULT_BACKENDS = (
 MIN_WORKING_SET = 512 * 2**20  # bytes of KV per timed replay
 MAX_LAYERS = 64
 REPLAYS = 20
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    num_heads: int = 16  # Ouro-1.4B
-    num_kv_heads: int = 16
-    head_dim: int = 128
-    block_size: int = 16
-    dtype: torch.dtype = torch.bfloat16
 
 
 @dataclass(slots=True)
@@ -97,45 +90,11 @@ def make_backend(name: str, spec: AttentionSpec) -> AttentionBackend | list[str]
 def build(
     seq_lens: list[int], query_lens: list[int], shape: Shape, device: torch.device, decode: bool
 ) -> Workload:
-    """Rows with contexts `seq_lens` whose last `query_lens` tokens are new, over permuted pages."""
-    element = torch.empty((), dtype=shape.dtype).element_size()
-    kv_bytes = 2 * sum(seq_lens) * shape.num_kv_heads * shape.head_dim * element
-    pages = [-(-n // shape.block_size) for n in seq_lens]
-    order = torch.randperm(sum(pages), device=device).to(torch.int32) + 1
-    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=device)
-    slots, start = [], 0
-    for row, (count, seq_len, query_len) in enumerate(
-        zip(pages, seq_lens, query_lens, strict=True)
-    ):
-        table[row, :count] = order[start : start + count]
-        start += count
-        positions = torch.arange(seq_len - query_len, seq_len, device=device)
-        slots.append(table[row, positions // shape.block_size].long() * shape.block_size)
-        slots[-1] += positions % shape.block_size
-    kv = KVStorage(
-        num_layers=layers_for(kv_bytes), num_pages=sum(pages) + 1, block_size=shape.block_size,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
-        device=device,
-    )  # fmt: skip
-    kv.cache.normal_()
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
-    metadata = AttentionMetadata(
-        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        page_table=table,
-        slot_mapping=torch.cat(slots),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_host=None if decode else starts,  # decode: as the device-resident step
-        seq_lens_host=None if decode else list(seq_lens),
-    )
-
-    def randn(heads: int) -> torch.Tensor:
-        return torch.randn(starts[-1], heads, shape.head_dim, dtype=shape.dtype, device=device)
-
-    q, k, v = randn(shape.num_heads), randn(shape.num_kv_heads), randn(shape.num_kv_heads)
+    """Rows with contexts `seq_lens` whose last `query_lens` tokens are new, over permuted pages;
+    decode passes carry no host lengths, as the device-resident step's."""
+    kv_bytes = kv_bytes_per_layer(seq_lens, shape)
+    layers = layers_for(kv_bytes)
+    kv, metadata, q, k, v = paged_pass(seq_lens, query_lens, shape, device, layers, not decode)
     return Workload(kv, metadata, q, k, v, kv_bytes)
 
 

@@ -126,19 +126,35 @@ def _spec(shape: KernelShape, device: torch.device) -> AttentionSpec:
 def build_workload(seq_lens: list[int], query_lens: list[int], settings: BenchSettings) -> Workload:
     """Rows with contexts `seq_lens` whose last `query_lens` tokens are new, over permuted pages."""
     shape, device = settings.shape, settings.device
+    layers = _layers_for(kv_bytes_per_layer(seq_lens, shape), settings.min_working_set)
+    kv, metadata, q, k, v = paged_pass(seq_lens, query_lens, shape, device, layers, True)
+    backend = TritonAttentionBackend(_spec(shape, device))
+    return Workload(backend, kv, metadata, q, k, v, torch.empty_like(q), layers)
+
+
+def kv_bytes_per_layer(seq_lens: list[int], shape: KernelShape) -> int:
+    """Bytes of K and V of every row's context in one layer."""
     element = torch.empty((), dtype=shape.dtype).element_size()
-    kv_bytes = 2 * sum(seq_lens) * shape.num_kv_heads * shape.head_dim * element
-    layers = _layers_for(kv_bytes, settings.min_working_set)
+    return 2 * sum(seq_lens) * shape.num_kv_heads * shape.head_dim * element
+
+
+def paged_pass(
+    seq_lens: list[int],
+    query_lens: list[int],
+    shape: KernelShape,
+    device: torch.device,
+    layers: int,
+    host_lengths: bool,
+) -> tuple[KVStorage, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(KV of `layers` random layers over permuted pages, the pass's metadata, q, k, v) for rows
+    with contexts `seq_lens` whose last `query_lens` tokens are new. Without `host_lengths` the
+    metadata has no host copies of the lengths, as the device-resident decode step's."""
     table, slots = _paging(seq_lens, query_lens, shape.block_size, device)
     kv = KVStorage(
-        num_layers=layers,
-        num_pages=int(table.max()) + 1,
-        block_size=shape.block_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
+        num_layers=layers, num_pages=int(table.max()) + 1, block_size=shape.block_size,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
         device=device,
-    )
+    )  # fmt: skip
     kv.cache.normal_()
     starts = [0]
     for query_len in query_lens:
@@ -150,16 +166,20 @@ def build_workload(seq_lens: list[int], query_lens: list[int], settings: BenchSe
         slot_mapping=slots,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        query_start_host=starts,
-        seq_lens_host=list(seq_lens),
+        query_start_host=starts if host_lengths else None,
+        seq_lens_host=list(seq_lens) if host_lengths else None,
     )
 
     def randn(heads: int) -> torch.Tensor:
         return torch.randn(starts[-1], heads, shape.head_dim, dtype=shape.dtype, device=device)
 
-    q, k, v = randn(shape.num_heads), randn(shape.num_kv_heads), randn(shape.num_kv_heads)
-    backend = TritonAttentionBackend(_spec(shape, device))
-    return Workload(backend, kv, metadata, q, k, v, torch.empty_like(q), layers)
+    return (
+        kv,
+        metadata,
+        randn(shape.num_heads),
+        randn(shape.num_kv_heads),
+        randn(shape.num_kv_heads),
+    )
 
 
 def _dense(workload: Workload, layer: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
