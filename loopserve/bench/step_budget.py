@@ -26,9 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from loopserve.bench.step_profile import device_step_ms, steady_engine
+from loopserve.bench.step_profile import decode_step_kernels, device_step_ms, steady_engine
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.decode_step import SamplingKind
 from loopserve.runner.model_runner import ModelRunner
@@ -54,14 +53,8 @@ def categorize(name: str) -> str:
 
 def profile_step(runner: ModelRunner, rows: int, kind: SamplingKind) -> dict[str, dict[str, float]]:
     """Per category: kernel launches and device microseconds of one eager decode step."""
-    saved = [tensor.clone() for tensor in runner.decode.state_tensors()]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
-        runner.decode.step(rows, kind)
-        torch.cuda.synchronize()
-        for tensor, copy in zip(runner.decode.state_tensors(), saved, strict=True):
-            tensor.copy_(copy)
     budget: dict[str, dict[str, float]] = defaultdict(lambda: {"kernels": 0, "device_us": 0.0})
-    for event in prof.key_averages():
+    for event in decode_step_kernels(runner, rows, kind):
         device_us = getattr(event, "device_time_total", 0.0)
         if device_us <= 0:
             continue

@@ -15,6 +15,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -126,16 +127,24 @@ def device_step_ms(engine: Engine, runner: ModelRunner, graphs: bool, repeats: i
     return begin.elapsed_time(end) / repeats
 
 
-def top_kernels(engine: Engine, runner: ModelRunner, count: int = 15) -> list[dict[str, object]]:
-    rows, kind = _decode_rows(engine, runner)
+def decode_step_kernels(runner: ModelRunner, rows: int, kind: SamplingKind) -> list[Any]:
+    """The profiler's per-kernel averages of one eager decode step; the step's state is restored
+    afterwards."""
     saved = [tensor.clone() for tensor in runner.decode.state_tensors()]
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
         runner.decode.step(rows, kind)
         torch.cuda.synchronize()
         for tensor, copy in zip(runner.decode.state_tensors(), saved, strict=True):
             tensor.copy_(copy)
+    return list(prof.key_averages())
+
+
+def top_kernels(engine: Engine, runner: ModelRunner, count: int = 15) -> list[dict[str, object]]:
+    rows, kind = _decode_rows(engine, runner)
     events = sorted(
-        prof.key_averages(), key=lambda e: getattr(e, "device_time_total", 0.0), reverse=True
+        decode_step_kernels(runner, rows, kind),
+        key=lambda e: getattr(e, "device_time_total", 0.0),
+        reverse=True,
     )
     return [
         {"kernel": e.key[:90], "calls": e.count, "device_us": round(e.device_time_total, 1)}
