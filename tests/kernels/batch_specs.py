@@ -250,6 +250,25 @@ def decode_subset(batch: Batch, indices: list[int]) -> tuple[AttentionMetadata, 
     return subset, tokens
 
 
+def run_backend(
+    backend: Any,
+    batch: Batch,
+    metadata: AttentionMetadata | None = None,
+    tokens: list[int] | None = None,
+) -> torch.Tensor:
+    """A backend's `forward_into` output for the batch (or a subset's metadata and tokens), into
+    an output poisoned with NaN first."""
+    metadata = metadata or batch.metadata
+    q, k, v = batch.q, batch.k, batch.v
+    if tokens is not None:
+        q, k, v = q[tokens], k[tokens], v[tokens]
+    out = torch.full_like(q, float("nan"))
+    backend.forward_into(q, k, v, batch.kv, batch.layer, metadata, out)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return out
+
+
 def replay_metadata(
     batch: Batch, order: list[int], lengths: list[int], host_lengths: bool
 ) -> AttentionMetadata:

@@ -32,6 +32,7 @@ from .batch_specs import (
     decode_subset,
     dense_reference,
     replay_metadata,
+    run_backend,
     tolerance,
 )
 
@@ -87,23 +88,6 @@ def _backend(variant: str, shape: HeadShape) -> FlashInferBackend:
     return VARIANTS[variant](spec)
 
 
-def _run(
-    backend: FlashInferBackend,
-    batch: Batch,
-    metadata: AttentionMetadata | None = None,
-    tokens: list[int] | None = None,
-) -> torch.Tensor:
-    """The backend's output for the batch (or a subset's metadata and tokens), poisoned first."""
-    metadata = metadata or batch.metadata
-    q, k, v = batch.q, batch.k, batch.v
-    if tokens is not None:
-        q, k, v = q[tokens], k[tokens], v[tokens]
-    out = torch.full_like(q, float("nan"))
-    backend.forward_into(q, k, v, batch.kv, batch.layer, metadata, out)
-    torch.cuda.synchronize()
-    return out
-
-
 def _check(batch: Batch, out: torch.Tensor, shape: HeadShape) -> None:
     torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
     expected = TorchAttentionBackend(_spec(shape)).forward(
@@ -117,7 +101,7 @@ def _check(batch: Batch, out: torch.Tensor, shape: HeadShape) -> None:
 def test_ouro_shape(variant: str, rows: list[Row]) -> None:
     batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=1)
     assert batch.kv.num_pages > 128
-    _check(batch, _run(_backend(variant, OURO), batch), OURO)
+    _check(batch, run_backend(_backend(variant, OURO), batch), OURO)
 
 
 def _fits(rows: list[Row]) -> bool:
@@ -134,7 +118,7 @@ NAMED = {name: rows for name, rows in {**DECODE_SPECS, **PREFILL_SPECS}.items() 
 def test_named_batches(variant: str, spec: str) -> None:
     """Padding and length-1 rows, page boundaries, one request at several loops (planes)."""
     batch = build_batch(NAMED[spec], SMALL, DEVICE, block_size=BLOCK, seed=3)
-    _check(batch, _run(_backend(variant, SMALL), batch), SMALL)
+    _check(batch, run_backend(_backend(variant, SMALL), batch), SMALL)
 
 
 # More FlashInfer modules to build (about a minute of nvcc each on the H200): run when asked
@@ -153,7 +137,7 @@ EXTENDED_SHAPES = [
 @pytest.mark.parametrize("rows", [MODERATE_DECODE, MODERATE_PREFILL], ids=["decode", "prefill"])
 def test_extended_shapes(variant: str, shape: HeadShape, rows: list[Row]) -> None:
     batch = build_batch(rows, shape, DEVICE, block_size=BLOCK, seed=2)
-    _check(batch, _run(_backend(variant, shape), batch), shape)
+    _check(batch, run_backend(_backend(variant, shape), batch), shape)
 
 
 def _wider(metadata: AttentionMetadata, width: int) -> AttentionMetadata:
@@ -172,13 +156,13 @@ def test_decode_is_bitwise_batch_and_plan_invariant(variant: str) -> None:
     lengths[5], lengths[9] = 1, 0
     batch = build_batch([Row(n) for n in lengths], OURO, DEVICE, block_size=BLOCK, seed=3)
     backend = _backend(variant, OURO)
-    together = _run(backend, batch)
+    together = run_backend(backend, batch)
     for index in (0, 5, 7, 9, 31):
         metadata, tokens = decode_subset(batch, [index])
-        alone = _run(backend, batch, metadata, tokens)
+        alone = run_backend(backend, batch, metadata, tokens)
         assert torch.equal(together[tokens], alone), f"row {index} ({lengths[index]} tokens)"
     wide = _wider(batch.metadata, 4 * batch.metadata.page_table.shape[1])
-    assert torch.equal(_run(backend, batch, wide), together)
+    assert torch.equal(run_backend(backend, batch, wide), together)
     torch.testing.assert_close(
         together.double().cpu(), dense_reference(batch), **tolerance(OURO.dtype)
     )
@@ -216,7 +200,7 @@ def test_cuda_graph_replay_equals_eager(variant: str) -> None:
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    eager = _run(_backend(variant, OURO), batch, replay)
+    eager = run_backend(_backend(variant, OURO), batch, replay)
     assert torch.equal(out, eager)
     assert not out.isnan().any()
 
@@ -233,7 +217,10 @@ def test_steady_state_decode_never_waits_for_the_device(variant: str) -> None:
     passes = [small, large, small, large, small]
     metadata = [dataclasses.replace(batch.metadata, seq_lens_host=None) for batch in passes]
     outs = [torch.empty_like(batch.q) for batch in passes]
-    expected = [_run(backend, small), _run(backend, large)]  # warm-up: plans and kernels
+    expected = [
+        run_backend(backend, small),
+        run_backend(backend, large),
+    ]  # warm-up: plans and kernels
     busy = torch.cuda.Event()
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time
     busy.record()

@@ -17,7 +17,6 @@ from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.bench.decode_sweep import TILING_CANDIDATES, fixed_schedule
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
-from loopserve.kv.metadata import AttentionMetadata
 
 from .batch_specs import (
     Batch,
@@ -27,6 +26,7 @@ from .batch_specs import (
     decode_subset,
     dense_reference,
     replay_metadata,
+    run_backend,
     tolerance,
 )
 
@@ -67,23 +67,6 @@ def _backend(
     return TritonAttentionBackend(spec, decode_tiling=tiling, decode_schedule=schedule)
 
 
-def _run(
-    backend: TritonAttentionBackend,
-    batch: Batch,
-    metadata: AttentionMetadata | None = None,
-    tokens: list[int] | None = None,
-) -> torch.Tensor:
-    """The backend's output for the batch (or a subset's metadata and tokens), poisoned first."""
-    metadata = metadata or batch.metadata
-    q, k, v = batch.q, batch.k, batch.v
-    if tokens is not None:
-        q, k, v = q[tokens], k[tokens], v[tokens]
-    out = torch.full_like(q, float("nan"))
-    backend.forward_into(q, k, v, batch.kv, batch.layer, metadata, out)
-    torch.cuda.synchronize()
-    return out
-
-
 def _check_against_references(batch: Batch, out: torch.Tensor, shape: HeadShape) -> None:
     torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(shape.dtype))
     spec = _backend(shape).spec
@@ -97,7 +80,7 @@ def _check_against_references(batch: Batch, out: torch.Tensor, shape: HeadShape)
 def test_ouro_shape(rows: list[Row]) -> None:
     batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=1)
     assert batch.kv.num_pages > 128
-    out = _run(_backend(OURO), batch)
+    out = run_backend(_backend(OURO), batch)
     _check_against_references(batch, out, OURO)
 
 
@@ -118,7 +101,7 @@ def test_ouro_shape(rows: list[Row]) -> None:
 )
 def test_other_shapes(shape: HeadShape) -> None:
     batch = build_batch(MODERATE_ROWS, shape, DEVICE, block_size=BLOCK, seed=2)
-    out = _run(_backend(shape), batch)
+    out = run_backend(_backend(shape), batch)
     _check_against_references(batch, out, shape)
 
 
@@ -127,10 +110,10 @@ def test_decode_is_batch_invariant_at_scale() -> None:
     lengths = torch.randint(1, 8193, (48,), generator=torch.Generator().manual_seed(0)).tolist()
     batch = build_batch([Row(n) for n in lengths], OURO, DEVICE, block_size=BLOCK, seed=3)
     backend = _backend(OURO)
-    together = _run(backend, batch)
+    together = run_backend(backend, batch)
     for index in (0, 7, 31, 47):
         metadata, tokens = decode_subset(batch, [index])
-        alone = _run(backend, batch, metadata, tokens)
+        alone = run_backend(backend, batch, metadata, tokens)
         assert torch.equal(together[tokens], alone), f"row {index} ({lengths[index]} tokens)"
     torch.testing.assert_close(
         together.double().cpu(), dense_reference(batch), **tolerance(OURO.dtype)
@@ -161,7 +144,7 @@ def test_cuda_graph_replay_reads_new_lengths_and_pages() -> None:
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    eager = _run(_backend(OURO), batch, replay)
+    eager = run_backend(_backend(OURO), batch, replay)
     assert torch.equal(out, eager)
     assert not out.isnan().any()
 
@@ -191,13 +174,13 @@ def _check_tiling(
     schedules += [(2.0, False, False)] * separate_write
     for per_sm, fused_write, last in schedules:
         backend = _backend(shape, tiling, fixed_schedule(per_sm, fused_write, last))
-        outs.append(_run(backend, batch))
+        outs.append(run_backend(backend, batch))
     torch.testing.assert_close(outs[0].double().cpu(), expected, **tolerance(shape.dtype))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     for index in (0, 3, 5):
         metadata, tokens = decode_subset(batch, [index])
-        alone = _run(_backend(shape, tiling), batch, metadata, tokens)
+        alone = run_backend(_backend(shape, tiling), batch, metadata, tokens)
         assert torch.equal(outs[0][tokens], alone), f"row {index} alone"
 
 
