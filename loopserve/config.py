@@ -127,7 +127,9 @@ class EngineConfig:
         "weights, at most 4 GiB, and no more than max_num_seqs requests of the model's length use",
     )
     gpu_memory_utilization: float = setting(
-        0.9, "CUDA: fraction of GPU memory for weights, activations and the KV cache"
+        0.9,
+        "CUDA: fraction of the GPU's memory this engine takes for weights, activations and the "
+        "KV cache (engines sharing a GPU each take their own fraction)",
     )
     max_model_len: int | None = setting(
         None,

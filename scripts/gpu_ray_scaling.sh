@@ -43,6 +43,11 @@ PYTHON="${PYTHON:-python3}"
 PORT="${PORT:-8765}"
 DEADLINE_S="${DEADLINE_S:-540}"
 A_MODE="${A_MODE:-single}"
+# Extra flags of the B phases, and the phases to run (label:kind, in order). Issue 13's run, two
+# replicas sharing one GPU beside one engine with the whole GPU, on nvidia-h200:
+#   B_FLAGS="--gpus-per-replica 0.5 --gpu-memory-utilization 0.45" PHASES="A1:A B1:B B2:B A2:A"
+read -r -a B_FLAGS <<<"${B_FLAGS:-}"
+PHASES="${PHASES:-A1:A B1:B Boff:Boff B2:B A2:A}"
 FIXED_LOOPS="${FIXED_LOOPS:-4}"  # Ouro-1.4B and ouro-tiny both run 4 loops
 if [ "$DEVICE" = cpu ]; then
   MODEL="${MODEL:-ouro-tiny}"; CONCURRENCY="${CONCURRENCY:-2 4}"; INPUT_LEN="${INPUT_LEN:-64}"
@@ -173,24 +178,20 @@ phase() {  # label kind
     A) if [ "$DEVICE" = cuda ]; then export CUDA_VISIBLE_DEVICES=0; fi
        start_server "$1" "${A_FLAGS[@]}" && sweep "$1" ;;
     B) unset CUDA_VISIBLE_DEVICES
-       start_server "$1" --replicas 2 && sweep "$1" && prefix_run "$1" ;;
+       start_server "$1" --replicas 2 "${B_FLAGS[@]}" && sweep "$1" && prefix_run "$1" ;;
     Boff) unset CUDA_VISIBLE_DEVICES
-       start_server "$1" --replicas 2 --affinity-pages 0 && prefix_run "$1" ;;
+       start_server "$1" --replicas 2 --affinity-pages 0 "${B_FLAGS[@]}" && prefix_run "$1" ;;
   esac
   stop_server
 }
 
-phase A1 A
-phase B1 B
-phase Boff Boff
-phase B2 B
-phase A2 A
+for entry in $PHASES; do phase "${entry%%:*}" "${entry##*:}"; done
 say "done"
 {
   echo "# Ray Serve scaling ($DEVICE, $MODEL, $INPUT_LEN/$OUTPUT_LEN)"
   echo
-  echo "A = one engine ($A_MODE), B = --replicas 2 (affinity routing), Boff = --replicas 2"
-  echo "--affinity-pages 0. Extra body min_loops=$FIXED_LOOPS: fixed depth; '-': the d2.6 trace."
+  echo "A = one engine ($A_MODE), B = --replicas 2 ${B_FLAGS[*]} (affinity routing),"
+  echo "Boff = B with --affinity-pages 0. Phases: $PHASES. Extra body min_loops=$FIXED_LOOPS: fixed depth; '-': the d2.6 trace."
   echo "Shared prefix rows: 50 % of the prompts share $PREFIX_LEN tokens. $(date -u +%F)"
   echo
   "$PYTHON" -m loopserve.bench.serve_table "$RUNS"

@@ -1,8 +1,8 @@
 """The Ray Serve application: N engine replicas behind one ingress (needs the `ray` extra).
 
 Owns: the only imports of Ray in loopserve; `build_app`, which makes `EngineReplica` and `Ingress`
-deployments (replica i is the deployment `loopserve-engine-i`: one replica each, one GPU each on
-CUDA, restarted by Serve when it dies or fails its health check, drained for
+deployments (replica i is the deployment `loopserve-engine-i`: one replica each, on CUDA one GPU
+or a share of one, restarted by Serve when it dies or fails its health check, drained for
 `shutdown_timeout_s` when it stops) and binds them into one application; and `serve_replicas`,
 which `loopserve serve --replicas N` runs: start a local Ray cluster or join one, run the
 application on the server's host and port, and on SIGTERM or Ctrl-C drain and remove it (and
@@ -12,10 +12,13 @@ Must not: hold serving logic (the replica and ingress classes do).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
 from typing import Any
+
+import torch
 
 from loopserve.config import EngineConfig
 from loopserve.entrypoints.openai.config import ServerConfig
@@ -46,6 +49,7 @@ def build_app(
     server_config: ServerConfig | None = None,
     *,
     num_replicas: int = 1,
+    gpus_per_replica: float = 1.0,
     routing: RoutingConfig | None = None,
     replica_actor_options: dict[str, Any] | None = None,
     ingress_actor_options: dict[str, Any] | None = None,
@@ -57,18 +61,22 @@ def build_app(
         server_config: the API's settings (key, limits, names); its host and port are used only
             by `serve_replicas` (Serve's HTTP options decide where an application listens).
         num_replicas: engine replicas, each its own deployment.
+        gpus_per_replica: on CUDA, the share of one GPU a replica asks Ray for, in (0, 1]: 0.5
+            puts two replicas on each GPU (each then needs `gpu_memory_utilization` ≤ 0.5).
         routing: the routing policy's knobs.
         replica_actor_options: Ray actor options merged over each replica's defaults
-            (`num_cpus=1`, and `num_gpus=1` when the engine's device is CUDA).
+            (`num_cpus=1`, and `num_gpus=gpus_per_replica` when the engine's device is CUDA).
         ingress_actor_options: Ray actor options merged over the ingress's (`num_cpus=0`).
     Raises:
-        ValueError: num_replicas is below 1.
+        ValueError: num_replicas is below 1, or the GPU share is out of range or too small for
+            the engine's memory fraction.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
     server_config = server_config or ServerConfig()
     routing = routing or RoutingConfig()
-    gpus = {"num_gpus": 1} if engine_config.device.startswith("cuda") else {}
+    engine_config = dataclasses.replace(engine_config, device=replica_device(engine_config))
+    gpus = replica_gpus(engine_config, gpus_per_replica)
     replica_options = {"num_cpus": 1, **gpus, **(replica_actor_options or {})}
     replicas = [
         serve.deployment(
@@ -94,12 +102,45 @@ def build_app(
     return ingress.bind(replicas, engine_config, server_config, routing)
 
 
+def replica_device(engine_config: EngineConfig) -> str:
+    """The device the replicas run on. `auto` is decided here, not in each replica (a replica
+    that asks Ray for no GPU sees none): CUDA when the cluster has GPUs, or, before Ray has
+    started, when this machine has one."""
+    if engine_config.device != "auto":
+        return engine_config.device
+    if ray.is_initialized():
+        has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    else:
+        has_gpu = torch.cuda.is_available()
+    return "cuda" if has_gpu else "cpu"
+
+
+def replica_gpus(engine_config: EngineConfig, gpus_per_replica: float) -> dict[str, float]:
+    """A replica's GPU request to Ray: `num_gpus` on CUDA (an engine runs on one GPU, so a share
+    of at most one), nothing on a CPU. Replicas that share a GPU must also share its memory."""
+    if not 0 < gpus_per_replica <= 1:
+        raise ValueError(
+            "gpus_per_replica must be in (0, 1] (an engine runs on one GPU), "
+            f"got {gpus_per_replica}"
+        )
+    if not engine_config.device.startswith("cuda"):
+        return {}
+    if engine_config.gpu_memory_utilization > gpus_per_replica:
+        raise ValueError(
+            f"replicas with {gpus_per_replica} of a GPU each share its memory, but each would take "
+            f"gpu_memory_utilization {engine_config.gpu_memory_utilization} of it; pass "
+            f"--gpu-memory-utilization {0.9 * gpus_per_replica:.2f} (at most {gpus_per_replica})"
+        )
+    return {"num_gpus": gpus_per_replica}
+
+
 def serve_replicas(
     engine_config: EngineConfig,
     server_config: ServerConfig,
     num_replicas: int,
     ray_address: str | None = None,
     routing: RoutingConfig | None = None,
+    gpus_per_replica: float = 1.0,
 ) -> None:
     """Serve on the server's host and port until SIGTERM or Ctrl-C, then drain and stop.
 
@@ -118,7 +159,13 @@ def serve_replicas(
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
-        app = build_app(engine_config, server_config, num_replicas=num_replicas, routing=routing)
+        app = build_app(
+            engine_config,
+            server_config,
+            num_replicas=num_replicas,
+            gpus_per_replica=gpus_per_replica,
+            routing=routing,
+        )
         serve.run(app, name=APP_NAME, route_prefix="/")
         address = f"http://{server_config.host}:{server_config.port}"
         print(f"loopserve: {num_replicas} engine replica(s) behind {address}", flush=True)

@@ -1,13 +1,13 @@
 """How many KV pages an engine gets, and the longest request they can hold.
 
 Owns: the number of pages (explicit; on CPU from `kv_cache_memory_gb` or, by default, from the
-memory available; on CUDA from what the GPU has left after the weights and the largest step's
-profiled activation peak), and `max_model_len` against that cache: by default the longest request
-whose worst-case reservation (every plane of its layout) fits, never above the model's
-`max_position_embeddings`, logged in one line; an explicit `max_model_len` that cannot fit is an
-error saying what to change. With an exact `num_kv_pages` (tests, experiments) the model's length
-stands and a request that cannot fit is refused when it is added. Must not: allocate the cache
-(the runner's setup does).
+memory available; on CUDA this engine's `gpu_memory_utilization` share of the GPU, less the
+weights and the largest step's profiled activation peak, never more than is free), and
+`max_model_len` against that cache: by default the longest request whose worst-case reservation
+(every plane of its layout) fits, never above the model's `max_position_embeddings`, logged in one
+line; an explicit `max_model_len` that cannot fit is an error saying what to change. With an exact
+`num_kv_pages` (tests, experiments) the model's length stands and a request that cannot fit is
+refused when it is added. Must not: allocate the cache (the runner's setup does).
 """
 
 from __future__ import annotations
@@ -83,22 +83,28 @@ def num_kv_pages(
 
 
 def _gpu_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.device) -> int:
+    """This engine's share of the GPU (`gpu_memory_utilization` of its memory, as in vLLM: a
+    per-engine budget, so engines that share a GPU each take their own fraction) less the
+    weights, the step peak and a margin; never more than the GPU has free now."""
     peak = profile_step_peak(model, config, device)
+    torch.cuda.empty_cache()  # the profile's blocks: the free figure below must include them
     free, total = torch.cuda.mem_get_info(device)
-    other_processes = total - free - torch.cuda.memory_reserved(device)
     weights = torch.cuda.memory_allocated(device)
-    budget = (
-        int(total * config.gpu_memory_utilization)
-        - other_processes
-        - weights
-        - peak
-        - _GPU_MARGIN_BYTES
-    )
+    share = int(total * config.gpu_memory_utilization) - weights - peak - _GPU_MARGIN_BYTES
+    fits = free - peak - _GPU_MARGIN_BYTES
     logger.info(
-        "GPU memory: %.1f GiB total, weights %.2f GiB, step peak %.2f GiB, KV budget %.1f GiB",
-        total / 2**30, weights / 2**30, peak / 2**30, budget / 2**30,
+        "GPU memory: %.1f GiB total, %.1f GiB free, weights %.2f GiB, step peak %.2f GiB, "
+        "KV budget %.1f GiB",
+        total / 2**30, free / 2**30, weights / 2**30, peak / 2**30, min(share, fits) / 2**30,
     )  # fmt: skip
-    return budget
+    if fits < share:
+        logger.warning(
+            "gpu_memory_utilization %.2f asks for %.1f GiB of KV cache but only %.1f GiB is free "
+            "(other processes hold %.1f GiB of the GPU); the cache gets what is free",
+            config.gpu_memory_utilization, share / 2**30, max(fits, 0) / 2**30,
+            (total - free - torch.cuda.memory_reserved(device)) / 2**30,
+        )  # fmt: skip
+    return min(share, fits)
 
 
 def _available_memory() -> int:

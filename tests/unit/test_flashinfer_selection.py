@@ -15,6 +15,7 @@ import torch
 
 import loopserve.attention.flashinfer.backend as backend_module
 from loopserve.attention.base import AttentionSpec
+from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend, default_decode_kernel
 from loopserve.attention.flashinfer.xqa import SPLIT_VARIABLE, FlashInferXQABackend, fix_kv_splits
 from loopserve.attention.registry import (
@@ -190,11 +191,12 @@ def test_fa2_decode_kernel_by_group_size() -> None:
     assert default_decode_kernel(ouro(num_heads=48, num_kv_heads=8)) == "tensor_core"
 
 
-def test_xqa_prefill_uses_fa3_on_hopper_only() -> None:
-    assert FlashInferXQABackend.prefill_kernel(ouro()) == "fa3"
-    assert FlashInferXQABackend.prefill_kernel(ouro(compute_capability=(10, 0))) == "fa2"
-    assert FlashInferXQABackend.prefill_kernel(ouro(compute_capability=(12, 0))) == "fa2"
-    assert FlashInferFA2Backend.prefill_kernel(ouro()) == "fa2"
+@pytest.mark.parametrize("backend", [FlashInferFA2Backend, FlashInferXQABackend])
+def test_prefill_uses_fa3_on_hopper_only(backend: type[FlashInferBackend]) -> None:
+    assert backend.prefill_kernel(ouro()) == "fa3"
+    assert backend.prefill_kernel(ouro(compute_capability=(10, 0))) == "fa2"
+    assert backend.prefill_kernel(ouro(compute_capability=(12, 0))) == "fa2"
+    assert backend.prefill_kernel(ouro(compute_capability=(8, 0))) == "fa2"
 
 
 def test_xqa_kv_split_is_fixed_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

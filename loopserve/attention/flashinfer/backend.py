@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
-from loopserve.attention.flashinfer.prefill import PagedPrefill, PrefillPlan
+from loopserve.attention.flashinfer.prefill import FA3_HEAD_SIZES, PagedPrefill, PrefillPlan
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 
@@ -88,8 +88,11 @@ class FlashInferBackend(OutBufferBackend):
 
     @classmethod
     def prefill_kernel(cls, spec: AttentionSpec) -> str:
-        """FlashInfer's prefill implementation for `spec`: "fa2" unless a subclass knows better."""
-        return "fa2"
+        """FlashInfer's prefill implementation for `spec`: FA3 on Hopper (SM90) for the head sizes
+        it is built for, FA2 elsewhere. On the H200 FA3 took 24 µs for one 1024-token prompt of
+        Ouro-1.4B's shape and 136 µs for eight, FA2 38 and 183 (docs/kernels.md)."""
+        hopper = spec.compute_capability is not None and spec.compute_capability[0] == 9
+        return "fa3" if hopper and spec.head_size in FA3_HEAD_SIZES else "fa2"
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:

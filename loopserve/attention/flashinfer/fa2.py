@@ -62,7 +62,8 @@ class DecodePlan:
 class FlashInferFA2Backend(FlashInferBackend):
     name = "flashinfer_fa2"
     determinism: ClassVar[str] = (
-        "decode: KV split off, bitwise batch- and plan-width-invariant; prefill: KV split off"
+        "decode: KV split off, bitwise batch- and plan-width-invariant; prefill: FA3 on SM90 "
+        "(no KV split), else FA2 with the KV split off"
     )
 
     def __init__(self, spec: AttentionSpec, decode_kernel: DecodeKernel | None = None) -> None:

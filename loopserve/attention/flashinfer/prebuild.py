@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from loopserve.attention.base import AttentionSpec
+from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend, default_decode_kernel
 from loopserve.attention.flashinfer.xqa import FlashInferXQABackend
 
@@ -38,20 +39,22 @@ def jit_specs(spec: AttentionSpec, both_decode_kernels: bool = False) -> dict[st
     # (q, kv, out, index dtypes, head dims, no position encoding, no window, no soft cap)
     common = (dtype, dtype, dtype, torch.int32, dim, dim, 0, False, False)
     found: list[Any] = []
+    backends: list[type[FlashInferBackend]] = [FlashInferFA2Backend, FlashInferXQABackend]
+    if any(not backend.unsupported_reasons(spec) for backend in backends):
+        # Both backends prefill with the same kernel (`FlashInferBackend.prefill_kernel`).
+        if FlashInferFA2Backend.prefill_kernel(spec) == "fa3":
+            found.append(modules.gen_batch_prefill_module("fa3", *common, False))
+        else:
+            found.append(modules._gen_batch_prefill_primary_module("fa2", *common, False))
     if not FlashInferFA2Backend.unsupported_reasons(spec):
         kernels = {default_decode_kernel(spec)}
         if both_decode_kernels:
             kernels = {"cuda_core", "tensor_core"}
         if "cuda_core" in kernels:
             found.append(modules.gen_batch_decode_module(*common))
-        # FA2 prefill; also the tensor-core decode kernel
-        found.append(modules._gen_batch_prefill_primary_module("fa2", *common, False))
-    if not FlashInferXQABackend.unsupported_reasons(spec):
-        prefill = FlashInferXQABackend.prefill_kernel(spec)
-        if prefill == "fa3":
-            found.append(modules.gen_batch_prefill_module("fa3", *common, False))
-        else:
+        if "tensor_core" in kernels:  # FA2's tensor-core decode runs its prefill module
             found.append(modules._gen_batch_prefill_primary_module("fa2", *common, False))
+    if not FlashInferXQABackend.unsupported_reasons(spec):
         group = spec.num_heads // spec.num_kv_heads
         found.append(gen_xqa_module(dtype, dtype, spec.block_size, dim, group, False, dtype, 1))
     return {jit.name: jit for jit in found}

@@ -23,6 +23,7 @@ from loopserve.attention.flashinfer.csr import gather_pages, prefill_layout
 from loopserve.kv.metadata import AttentionMetadata
 
 PREFILL_KERNELS = ("fa2", "fa3")
+FA3_HEAD_SIZES = frozenset({64, 128, 256})  # what FlashInfer builds FA3 prefill for
 WORKSPACE_BYTES = 32 * 2**20  # float workspace; unused while the KV split is off
 # FlashInfer's FA2 plan info: 15 integers, the last one says whether the KV is split.
 _FA2_PLAN_INFO_LENGTH = 15

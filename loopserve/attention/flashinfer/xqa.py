@@ -32,7 +32,6 @@ SPLIT_VARIABLE = "XQA_NB_SUB_SEQ"
 KV_SPLITS = 1  # CTAs per row, fixed for the life of the process
 SEMAPHORE_BYTES = 8 * 2**20  # as FlashInfer's own XQA wrapper reserves
 SCRATCH_BYTES = 64 * 2**20  # partial results of split rows (unused without a split)
-FA3_HEAD_SIZES = frozenset({64, 128, 256})  # what FlashInfer builds FA3 prefill for
 
 
 class FlashInferXQABackend(FlashInferBackend):
@@ -53,13 +52,6 @@ class FlashInferXQABackend(FlashInferBackend):
         self.kv_splits = fix_kv_splits()
         self._semaphores: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
-
-    @classmethod
-    def prefill_kernel(cls, spec: AttentionSpec) -> str:
-        # FA3 is Hopper-only and built for these head sizes; the H200 table in
-        # scripts/gpu_flashinfer.sh measures it against FA2 (not measured yet when this was set).
-        hopper = spec.compute_capability is not None and spec.compute_capability[0] == 9
-        return "fa3" if hopper and spec.head_size in FA3_HEAD_SIZES else "fa2"
 
     def _prepare_decode(self, metadata: AttentionMetadata) -> None:
         if self._semaphores is None:  # once; semaphores must start at zero

@@ -93,6 +93,13 @@ def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: one engine in this process, without Ray)",
     )
     group.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=1.0,
+        help="on CUDA, the share of a GPU each replica takes, in (0, 1]; 0.5 runs two replicas on "
+        "each GPU, each with --gpu-memory-utilization at most 0.5 (default: 1)",
+    )
+    group.add_argument(
         "--ray-address",
         default=None,
         help="join this Ray cluster (e.g. auto, ray://HOST:10001) instead of starting a local one",
@@ -154,7 +161,9 @@ def _run_replicas(args: argparse.Namespace) -> int:
     )
     config = _server_config(args)
     engine_config = EngineConfig.from_options(model=args.model, **engine_options(args))
-    serve_replicas(engine_config, config, args.replicas, args.ray_address, routing)
+    serve_replicas(
+        engine_config, config, args.replicas, args.ray_address, routing, args.gpus_per_replica
+    )
     return 0
 
 
