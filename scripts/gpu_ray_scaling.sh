@@ -191,7 +191,8 @@ say "done"
   echo "# Ray Serve scaling ($DEVICE, $MODEL, $INPUT_LEN/$OUTPUT_LEN)"
   echo
   echo "A = one engine ($A_MODE), B = --replicas 2 ${B_FLAGS[*]} (affinity routing),"
-  echo "Boff = B with --affinity-pages 0. Phases: $PHASES. Extra body min_loops=$FIXED_LOOPS: fixed depth; '-': the d2.6 trace."
+  echo "Boff = B with --affinity-pages 0. Phases: $PHASES."
+  echo "Extra body min_loops=$FIXED_LOOPS: fixed depth; '-': the d2.6 trace."
   echo "Shared prefix rows: 50 % of the prompts share $PREFIX_LEN tokens. $(date -u +%F)"
   echo
   "$PYTHON" -m loopserve.bench.serve_table "$RUNS"
