@@ -17,7 +17,7 @@ import loopserve.attention.flashinfer.backend as backend_module
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend, default_decode_kernel
-from loopserve.attention.flashinfer.xqa import SPLIT_VARIABLE, FlashInferXQABackend, fix_kv_splits
+from loopserve.attention.flashinfer.xqa import FlashInferXQABackend
 from loopserve.attention.registry import (
     ATTENTION_BACKENDS,
     AUTO_ORDER,
@@ -197,18 +197,6 @@ def test_prefill_uses_fa3_on_hopper_only(backend: type[FlashInferBackend]) -> No
     assert backend.prefill_kernel(ouro(compute_capability=(10, 0))) == "fa2"
     assert backend.prefill_kernel(ouro(compute_capability=(12, 0))) == "fa2"
     assert backend.prefill_kernel(ouro(compute_capability=(8, 0))) == "fa2"
-
-
-def test_xqa_kv_split_is_fixed_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(SPLIT_VARIABLE, raising=False)
-    assert fix_kv_splits() == 1
-    assert __import__("os").environ[SPLIT_VARIABLE] == "1"
-    monkeypatch.setenv(SPLIT_VARIABLE, "4")  # a fixed split the process chose: kept
-    assert fix_kv_splits() == 4
-    for bad in ("0", "-1", "auto"):
-        monkeypatch.setenv(SPLIT_VARIABLE, bad)
-        with pytest.raises(ValueError, match="fixed positive KV split"):
-            fix_kv_splits()
 
 
 def test_no_jit_compiler_is_a_reason(

@@ -1,25 +1,29 @@
 """The `flashinfer_xqa` backend: FlashInfer's XQA decode kernel (SM90, SM100, SM120) on a bf16 KV
 cache, and paged prefill through FlashInfer's Hopper FA3 kernel on SM90 (FA2 elsewhere).
 
-Owns: the XQA launch of a decode pass, its workspace, and the fixed KV split XQA runs with. Must
+Owns: the XQA launch of a decode pass, its workspace, and keeping XQA from splitting rows. Must
 not: import flashinfer at module import time or copy device lengths to the host.
 
 XQA takes what the decode step has: device lengths [S] and the dense page table [S, P] (P pages
 per row, padded with the null page), so decode needs no plan at all and is graph-safe as is.
 
-Determinism: XQA may split each row's KV over several CTAs ("multi-block" mode). By default it
-picks the number from the batch size (more CTAs per row for small batches), which would make a
-row's bits depend on the rows beside it. FlashInfer reads the number from the environment variable
-`XQA_NB_SUB_SEQ` at every launch when it is set, so this backend sets it once, to a fixed value
-(`KV_SPLITS`, 1: no split) unless the process already set a positive value, which is batch
-independent too. Each row's reduction then depends only on its own length and pages.
+Determinism: XQA may split each row's KV over several CTAs ("multi-block" mode), as many as
+`round(3 * sm_count // (rows * kv_heads) * 0.25)` on SM90 (`sm_count // (rows * kv_heads)`
+elsewhere): more CTAs per row in small batches, so a row's bits would depend on the rows beside
+it. FlashInfer's launchers ignore the `XQA_NB_SUB_SEQ` override of the upstream kernel (an
+earlier version of this backend relied on it, and the H200 tests caught the row-count
+dependence), and `sm_count` is used for nothing but this choice, so the backend passes an SM
+count of 1: one CTA per row and KV head at every batch size. The price is parallelism for small
+batches (16 CTAs for one Ouro row).
+
+Rows of no context: XQA leaves NaN in them (seen on the H200); the backend zeroes them, as the
+other backends' rows of length 0 are.
 
 FP8 KV: XQA reads an FP8 cache with bf16 queries; `kv_cache_dtypes` is where that plugs in.
 """
 
 from __future__ import annotations
 
-import os
 from typing import ClassVar
 
 import torch
@@ -28,8 +32,8 @@ from loopserve.attention.base import AttentionSpec
 from loopserve.attention.flashinfer.backend import FlashInferBackend, import_flashinfer
 from loopserve.kv.metadata import AttentionMetadata
 
-SPLIT_VARIABLE = "XQA_NB_SUB_SEQ"
-KV_SPLITS = 1  # CTAs per row, fixed for the life of the process
+# The SM count XQA's multi-block heuristic is given: 1 makes it choose one CTA per row and KV head.
+SPLIT_FREE_SM_COUNT = 1
 SEMAPHORE_BYTES = 8 * 2**20  # as FlashInfer's own XQA wrapper reserves
 SCRATCH_BYTES = 64 * 2**20  # partial results of split rows (unused without a split)
 
@@ -43,13 +47,12 @@ class FlashInferXQABackend(FlashInferBackend):
     min_compute_capability = (9, 0)
     group_sizes: ClassVar[frozenset[int] | None] = frozenset({1, 2, 4, 8, 16})
     determinism: ClassVar[str] = (
-        f"decode: a fixed KV split ({SPLIT_VARIABLE}, default {KV_SPLITS}), bitwise batch-"
-        "invariant; prefill: FA3 on SM90 (no KV split), else FA2 with the KV split off"
+        "decode: no KV split (one CTA per row and KV head), bitwise batch-invariant; prefill: "
+        "FA3 on SM90 (no KV split), else FA2 with the KV split off"
     )
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
-        self.kv_splits = fix_kv_splits()
         self._semaphores: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
 
@@ -81,18 +84,6 @@ class FlashInferXQABackend(FlashInferBackend):
             # XQA scales q.k by q_scale / sqrt(D); ours is self.scale.
             q_scale=self.scale * self.spec.head_size**0.5,
             kv_layout="NHD",
+            sm_count=SPLIT_FREE_SM_COUNT,
         )
-
-
-def fix_kv_splits() -> int:
-    """The batch-independent number of CTAs XQA splits a row over, set in the environment."""
-    value = os.environ.get(SPLIT_VARIABLE)
-    if value is None:
-        os.environ[SPLIT_VARIABLE] = str(KV_SPLITS)
-        return KV_SPLITS
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"{SPLIT_VARIABLE}={value!r}: flashinfer_xqa needs a fixed positive KV split (or the "
-            "variable unset, for 1); XQA's own choice depends on the batch size"
-        )
-    return int(value)
+        out.masked_fill_((metadata.seq_lens == 0)[:, None, None], 0.0)
