@@ -39,7 +39,7 @@ EXTENDED="${EXTENDED:-0}"
 ENGINE_TESTS="tests/gpu/test_engine_flashinfer_gpu.py"
 TRITON_TESTS="${TRITON_TESTS:-tests/kernels/test_kernels_gpu.py}"
 ENGINE_FILTER="not fp32_engine_equals_reference"  # Triton's fp32 suite (16 engines), no FlashInfer
-KERNELS_FILTER="not extended"
+KERNELS_FILTER="${KERNELS_FILTER:-not extended}"
 # The shapes the GPU tests and the table build FlashInfer modules for (heads,kv,dim,dtype,block).
 SHAPES=(16,16,128,bfloat16,16 4,2,128,bfloat16,16)
 if [ "$EXTENDED" = 1 ]; then
