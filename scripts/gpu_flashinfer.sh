@@ -13,8 +13,8 @@
 #   triton    pytest -m gpu $TRITON_TESTS (default the Triton kernel tests; without FlashInfer
 #             on the path, so `auto` runs Triton)                     TRITON_TIMEOUT=150 (meanwhile)
 #   kernels   pytest -m gpu tests/kernels/test_flashinfer_gpu.py    KERNELS_TIMEOUT=240
-#             (on 2026-12-01, 100 s ran 5 of 35: the tests compile modules the prebuild lacks;
-#             with every part, run it in its own call: PARTS="install prebuild kernels")
+#             -k "$KERNELS_FILTER" (default "not extended": 48 tests, 152 s on 2026-12-01 after
+#             the prebuild, ~90 s of it in test_ouro_shape[prefill-*]'s CPU reference)
 #   engine    pytest -m gpu tests/gpu/test_engine_flashinfer_gpu.py ENGINE_TIMEOUT=200 (159 s)
 #   table     python -m loopserve.bench.attention_table $TABLE_ARGS TABLE_TIMEOUT=90
 # By default every FlashInfer module is for head size 128 in bf16 (Ouro's; 5 modules, FA3
