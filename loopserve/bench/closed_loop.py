@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,9 +110,15 @@ def make_requests(
 
 
 def run_closed_loop(
-    engine: Engine, requests: list[RequestSpec], concurrency: int, tag: str
+    engine: Engine,
+    requests: list[RequestSpec],
+    concurrency: int,
+    tag: str,
+    step: Callable[[], list[RequestOutput]] | None = None,
 ) -> TrialRecord:
-    """Run `requests` keeping `concurrency` of them in the engine; ids are `{tag}-{index}`."""
+    """Run `requests` keeping `concurrency` of them in the engine; ids are `{tag}-{index}`.
+    `step` runs one engine step (default `engine.step`; the step timeline passes its own)."""
+    step = step or engine.step
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine must be idle before a closed loop starts")
     queue = deque(enumerate(requests))
@@ -128,7 +135,7 @@ def run_closed_loop(
             in_flight += 1
         if queue:
             min_in_flight = min(min_in_flight, in_flight)
-        for output in engine.step():
+        for output in step():
             if output.finished:
                 finished.append(_record(output))
                 in_flight -= 1

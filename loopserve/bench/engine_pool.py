@@ -23,6 +23,7 @@ import torch
 
 from loopserve.bench.floor import ModelBytes
 from loopserve.bench.sweep_spec import EngineKey
+from loopserve.bench.timed_runner import TimedRunner
 from loopserve.config import EngineConfig
 from loopserve.depth.trace import D2_6
 from loopserve.engine.engine import Engine
@@ -48,6 +49,7 @@ class EngineSettings:
     gpu_memory_utilization: float  # split evenly between engines that are alive together
     num_kv_pages: int | None  # None: sized from memory
     seed: int
+    timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class BuiltEngine:
     runner: ModelRunner  # the engine's runner (the weights the floor is computed from)
     key: EngineKey
     startup_s: float  # seconds to construct the engine (weights, KV cache, graphs if eager)
+    timed: TimedRunner | None = None  # what the engine drives when `EngineSettings.timed`
 
 
 def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float) -> EngineConfig:
@@ -103,10 +106,11 @@ class EnginePool:
             _say(f"building engine {_describe(key)} ...")
             started = time.monotonic()
             runner = build_runner(config)
-            engine = Engine(config, runner)
+            timed = TimedRunner(runner) if self.settings.timed else None
+            engine = Engine(config, timed or runner)
             startup = time.monotonic() - started
             _say(f"  ready in {startup:.1f} s ({engine.info.num_kv_pages} KV pages)")
-            self._engines[key] = BuiltEngine(engine, runner, key, startup)
+            self._engines[key] = BuiltEngine(engine, runner, key, startup, timed)
         return dict(self._engines)
 
     def close(self) -> None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from loopserve.bench.engine_pool import EngineSettings
+    from loopserve.bench.step_timeline import StepTimeline
 
 SWEEP_FLAGS = (
     "workload", "concurrency", "exits", "scheduling", "graphs", "trials", "prefix_caching",
@@ -75,6 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--output", type=Path, help="also write the JSON lines to this file")
     output.add_argument("--summary", type=Path, help="also write the markdown summary here")
     output.add_argument("--plot", type=Path, help="PNG of output tok/s vs concurrency")
+    output.add_argument(
+        "--step-timeline",
+        type=Path,
+        help="write one JSON line per engine step of every measured trial here and print where "
+        "the step time went (docs/serving-capacity.md)",
+    )
+    output.add_argument(
+        "--profile-steps",
+        metavar="START:COUNT",
+        help="with --step-timeline: run COUNT steps (default 30) from step START of the first "
+        "trial that reaches it under torch.profiler; tables go to TIMELINE-profile.txt",
+    )
 
 
 def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
@@ -215,20 +228,43 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     plan = make_plan(args, device.type)
+    timeline = _timeline(args)
     sink = RecordSink(args.output)
     try:
-        results = _measure(args, plan, device, sink, started)
+        results = _measure(args, plan, device, sink, started, timeline)
     finally:
         sink.close()
+        if timeline is not None:
+            timeline.close()
     if not results:
         _say("nothing was measured")
         return 1
-    _report(args, results)
+    _report(args, results, timeline)
     return 0
 
 
+def _timeline(args: argparse.Namespace) -> StepTimeline | None:
+    from loopserve.bench.step_timeline import ProfileWindow, StepTimeline
+
+    path: Path | None = args.step_timeline
+    if path is None:
+        if args.profile_steps is not None:
+            raise ValueError("--profile-steps needs --step-timeline")
+        return None
+    window = None
+    if args.profile_steps is not None:
+        profile_path = path.with_name(f"{path.stem}-profile.txt")
+        window = ProfileWindow.parse(args.profile_steps, profile_path)
+    return StepTimeline(path, window)
+
+
 def _measure(
-    args: argparse.Namespace, plan: Plan, device: torch.device, sink: RecordSink, started: float
+    args: argparse.Namespace,
+    plan: Plan,
+    device: torch.device,
+    sink: RecordSink,
+    started: float,
+    timeline: StepTimeline | None,
 ) -> list[SpecResult]:
     from loopserve.bench.calibration import measure_ceilings
     from loopserve.bench.checkpoint_cache import ensure_random_checkpoint
@@ -243,7 +279,7 @@ def _measure(
     _say(f"measuring copy bandwidth and matmul FLOP/s on {device} ...")
     ceilings = measure_ceilings(device, resolve_dtype(dtype_name))
     base = _base_record(args, device, model)
-    pool = EnginePool(_engine_settings(args, plan, device, model))
+    pool = EnginePool(replace(_engine_settings(args, plan, device, model), timed=bool(timeline)))
     runner = SweepRunner(
         pool,
         ceilings,
@@ -252,6 +288,7 @@ def _measure(
         temperature=args.temperature,
         seed=args.seed,
         deadline=None if plan.time_budget_s is None else started + plan.time_budget_s,
+        timeline=timeline,
     )
     try:
         return runner.run_ab(plan.specs) if args.ab else runner.run(plan.specs)
@@ -298,7 +335,9 @@ def _engine_settings(
     )
 
 
-def _report(args: argparse.Namespace, results: list[SpecResult]) -> None:
+def _report(
+    args: argparse.Namespace, results: list[SpecResult], timeline: StepTimeline | None
+) -> None:
     from loopserve.bench.summary import summary_markdown
 
     summary = summary_markdown(results)
@@ -306,6 +345,14 @@ def _report(args: argparse.Namespace, results: list[SpecResult]) -> None:
     if args.summary is not None:
         args.summary.parent.mkdir(parents=True, exist_ok=True)
         args.summary.write_text(summary)
+    if timeline is not None:
+        steps = timeline.summary()
+        print(steps, flush=True)
+        path = timeline.path.with_name(f"{timeline.path.stem}-summary.md")
+        path.write_text(steps)
+        _say(f"wrote {timeline.path} and {path}")
+        if timeline.profile_pending:
+            _say("--profile-steps: no trial reached the window's first step; nothing was profiled")
     if args.plot is not None:
         from loopserve.bench.plot import plot_throughput
 

@@ -20,46 +20,14 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from loopserve.bench.timed_runner import TimedRunner
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
-from loopserve.engine.runner_api import RunnerInfo
-from loopserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.decode_step import SamplingKind
-from loopserve.runner.model_runner import ModelRunner, PendingOutput
+from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.setup import build_runner
 from loopserve.sampling_params import SamplingParams
-
-
-class TimedRunner:
-    """The real runner, with the host time spent launching steps and waiting for their results."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.launch_s = 0.0
-        self.wait_s = 0.0
-
-    @property
-    def info(self) -> RunnerInfo:
-        return self.runner.info
-
-    def execute(self, scheduled: SchedulerOutput) -> _TimedPending:
-        started = time.perf_counter()
-        pending = self.runner.execute(scheduled)
-        self.launch_s += time.perf_counter() - started
-        return _TimedPending(pending, self)
-
-
-class _TimedPending:
-    def __init__(self, pending: PendingOutput, owner: TimedRunner) -> None:
-        self._pending = pending
-        self._owner = owner
-
-    def result(self) -> RunnerOutput:
-        started = time.perf_counter()
-        output = self._pending.result()
-        self._owner.wait_s += time.perf_counter() - started
-        return output
 
 
 def steady_engine(

@@ -37,6 +37,7 @@ from loopserve.bench.records import (
     floor_record,
     spec_config,
 )
+from loopserve.bench.step_timeline import StepTimeline
 from loopserve.bench.sweep_spec import Point, RunSpec, SpecResult, Workload
 
 
@@ -53,8 +54,10 @@ class SweepRunner:
         temperature: float,
         seed: int,
         deadline: float | None,
+        timeline: StepTimeline | None = None,
     ) -> None:
         self.pool = pool
+        self.timeline = timeline
         self.ceilings = ceilings
         self.emit = emit
         self.temperature = temperature
@@ -151,7 +154,17 @@ class SweepRunner:
         requests = self._requests(built, spec, trial + 1, 2 * concurrency, output_len)
         device = torch.device(built.engine.info.device)
         reset_peak_memory(device)
-        record = run_closed_loop(built.engine, requests, concurrency, f"trial{next(self._tags)}")
+        step = None
+        if self.timeline is not None:
+            slots = built.engine.config.scheduler.max_num_seqs
+            label = (
+                f"{spec.variant.label(with_layout=True)} {spec.point.workload.name} "
+                f"C={concurrency} max_num_seqs={slots}"
+            )
+            step = self.timeline.stepper(built, label, trial + 1)
+        record = run_closed_loop(
+            built.engine, requests, concurrency, f"trial{next(self._tags)}", step
+        )
         peak = peak_memory_bytes(device)
         figures = trial_figures(record, self._model_bytes(built), self.ceilings)
         if peak is not None:

@@ -84,6 +84,9 @@ class Engine:
         # Async scheduling: the step launched last, not yet read back.
         self._async = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # Whether the last step had to read the step in flight back before scheduling
+        # (`Scheduler.needs_sync`); read by observers such as the benchmark's step timeline.
+        self.last_step_synced = False
 
     @property
     def max_model_len(self) -> int:
@@ -202,7 +205,8 @@ class Engine:
         back, so its outputs arrive with the next call; steps with prompt work are synchronous.
         """
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self.scheduler.needs_sync():
+        self.last_step_synced = self._in_flight is not None and self.scheduler.needs_sync()
+        if self.last_step_synced:
             outputs += self._read_back()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:

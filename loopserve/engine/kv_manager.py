@@ -44,6 +44,10 @@ class KVCacheManager:
         self.cache = PrefixCache() if prefix_caching else None
         self._requests: dict[str, _RequestPages] = {}
         self._total_reserved = 0
+        # Pages taken from the pool (free or idle cached) and given back, since start-up; their
+        # difference is `num_used_pages`. Observers diff them per step.
+        self.pages_taken = 0
+        self.pages_released = 0
 
     @property
     def num_usable_pages(self) -> int:
@@ -109,6 +113,7 @@ class KVCacheManager:
         pages.reserved -= from_reservation
         self._total_reserved -= from_reservation
         new = [self._take_page() for _ in range(missing)]
+        self.pages_taken += missing
         self._refs.update(new)
         table.extend(new)
         return start, new
@@ -134,6 +139,7 @@ class KVCacheManager:
             for plane, page in enumerate(block):
                 if page not in self._refs:
                     self.cache.unpark(page)
+                    self.pages_taken += 1
                 self._refs[page] += 1
                 pages.tables[plane].append(page)
 
@@ -185,6 +191,7 @@ class KVCacheManager:
             if self._refs[page]:
                 continue
             del self._refs[page]
+            self.pages_released += 1
             if self.cache is not None and self.cache.is_cached(page):
                 self.cache.park(page)
             else:
@@ -204,6 +211,7 @@ class KVCacheManager:
         assert len(free) + len(referenced) + self.num_cached_pages == self.num_usable_pages, (
             "a page was lost"
         )
+        assert self.pages_taken - self.pages_released == len(referenced), "a page was miscounted"
         if self.cache is not None:
             self.cache.check_invariants(referenced, free)
         assert all(pages.reserved >= 0 for pages in self._requests.values())

@@ -26,10 +26,16 @@ class _Captured:
     output: torch.Tensor  # the step's result record, written by every replay
 
 
+def row_bucket(rows: int, max_rows: int) -> int | None:
+    """The padded row count whose graph a step over `rows` replays when at most `max_rows` slots
+    exist; None when no bucket within `max_rows` holds `rows` (the step runs eagerly)."""
+    return next((b for b in ROW_BUCKETS if rows <= b <= max_rows), None)
+
+
 class GraphedDecodeStep:
     def __init__(self, step: DecodeStep, max_rows: int) -> None:
         self.step = step
-        self.buckets = [bucket for bucket in ROW_BUCKETS if bucket <= max_rows]
+        self.max_rows = max_rows
         self._graphs: dict[tuple[int, SamplingKind], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -38,7 +44,7 @@ class GraphedDecodeStep:
         return len(self._graphs)
 
     def bucket(self, rows: int) -> int | None:
-        return next((bucket for bucket in self.buckets if bucket >= rows), None)
+        return row_bucket(rows, self.max_rows)
 
     def run(self, rows: int, kind: SamplingKind) -> torch.Tensor:
         """The result record of one step over slots [0, rows)."""
