@@ -194,8 +194,8 @@ class _TrialSteps:
         return {
             "decode_rows": len(slots),
             "rows": rows,
-            # The bucket the CUDA-graph rule gives these rows (None: beyond every bucket within
-            # max_num_seqs, so eager on CUDA), and whether this run replayed a graph.
+            # The bucket the CUDA-graph rule gives these rows, and whether this run replayed a
+            # graph (graphs off, or not CUDA: no).
             "bucket": row_bucket(rows, self.max_rows) if rows else None,
             "graph": rows > 0 and self.runner.decode_graph_bucket(rows) is not None,
             "prefill_chunks": len(chunks),

@@ -150,7 +150,7 @@ class ModelRunner:
 
     def decode_graph_bucket(self, rows: int) -> int | None:
         """The row bucket whose CUDA graph a decode step over slots [0, rows) replays; None when
-        the step runs eagerly (graphs off, or more rows than the largest bucket)."""
+        graphs are off (the step runs eagerly)."""
         return None if self.graphs is None else self.graphs.bucket(rows)
 
     def run_decode_step(self, rows: int, kind: SamplingKind) -> torch.Tensor:
