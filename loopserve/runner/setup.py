@@ -18,7 +18,7 @@ import torch
 
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.registry import select_backend
-from loopserve.config import EngineConfig, LoadFormat
+from loopserve.config import EngineConfig, KVAllocation, LoadFormat
 from loopserve.depth.policy import ExitMode
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.kv.pages import pages_for
@@ -153,7 +153,9 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
     logger.info("runner: %s", info)
     graphs = GraphedDecodeStep(decode, scheduler.max_num_seqs) if choice.cuda_graphs else None
     prompts = PromptRunner(model, kv, backend, tables)
-    return ModelRunner(model, tables, decode, prompts, HostSwap(kv), info, graphs)
+    preempts = scheduler.kv_allocation is KVAllocation.INCREMENTAL
+    swap = HostSwap(kv, int(config.swap_space_gb * 2**30) if preempts else 0)
+    return ModelRunner(model, tables, decode, prompts, swap, info, graphs)
 
 
 def _attention_spec(

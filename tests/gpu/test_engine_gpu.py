@@ -111,6 +111,38 @@ def test_fp32_engine_equals_reference(
         assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
 
 
+# Pinned swap space set aside at start: ample, about one victim (the rest pinned on the spot),
+# none (every victim pinned on the spot).
+SWAP_SPACES_GB = {"pool": 1.0, "pool_overflows": 0.004, "no_pool": 0.0}
+
+
+@pytest.mark.parametrize("swap_space", list(SWAP_SPACES_GB))
+@pytest.mark.parametrize("layout", ["full", "shared"])
+def test_fp32_preempted_requests_equal_reference(
+    checkpoint: Path, layout: str, swap_space: str
+) -> None:
+    """200 KV pages for 10 requests of up to 88: requests are swapped to pinned host memory and
+    back while they grow, through the swap space or pinned on the spot."""
+    engine = Engine(
+        EngineConfig.from_options(
+            model=str(checkpoint), device="cuda", dtype="float32", kv_layout=layout,
+            exit_mode="ouro", attention_backend="triton", max_num_seqs=16, num_kv_pages=200,
+            prefill_chunk_size=64, swap_space_gb=SWAP_SPACES_GB[swap_space],
+        )
+    )  # fmt: skip
+    batch, params = prompts(10, seed=3), mixed_params(10, 0.6)
+    results = run(engine, batch, params)
+    assert engine.stats().num_preemptions > 0
+    reference = SerialReference(
+        engine.runner.model,  # type: ignore[attr-defined]
+        kv_layout=layout,
+        exit_mode="ouro",
+    )
+    for index, (prompt, request_params) in enumerate(zip(batch, params, strict=True)):
+        expected = reference.generate(prompt, engine.resolve(request_params))
+        assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
+
+
 def bf16_engine(checkpoint: Path, **options: object) -> Engine:
     return Engine(
         EngineConfig.from_options(
