@@ -1,9 +1,10 @@
 """Relaying a replica's response to the ingress's client.
 
 Owns: `ReplicaResponse`, an ASGI response that sends the parts a replica streams back (status and
-headers, with `x-loopserve-replica` added, then body chunks as they come), cancels the replica's
-work when the client disconnects, and turns a replica that fails mid-request into a clear error:
-a 503 in the OpenAI error format when nothing was sent yet, else, on an event stream, a last
+headers, with `x-loopserve-replica` added, then an event stream's chunks as they come, any other
+answer whole once the replica has sent all of it), cancels the replica's work when the client
+disconnects, and turns a replica that fails mid-request into a clear error: a 503 in the OpenAI
+error format when nothing was sent yet, else (only an event stream can have started) a last
 `error` event and `data: [DONE]`. Must not: import Ray (it is handed the stream and a cancel
 function) or retry (a request may have produced output already).
 """
@@ -71,7 +72,10 @@ class ReplicaResponse(Response):
             self._on_close()
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
-        start: ResponseStart | None = None
+        # An event stream is relayed as it comes; any other answer is held until it is complete,
+        # so that a replica dying mid-answer gives its client the 503, not a cut 200.
+        streaming = started = False
+        held: list[ResponseStart | bytes] = []
         parts = aiter(self._parts)
         while True:
             try:
@@ -79,40 +83,43 @@ class ReplicaResponse(Response):
             except StopAsyncIteration:
                 # Cut before the app's end (a killed actor's stream can stop without raising).
                 cut = ConnectionError("the replica's response stopped before its end")
-                await self._fail(cut, start, scope, receive, send)
+                await self._fail(cut, started, scope, receive, send)
                 return
             except Exception as error:  # the replica failed (errors of `send` are the client's)
-                await self._fail(error, start, scope, receive, send)
+                await self._fail(error, started, scope, receive, send)
                 return
             if isinstance(part, ResponseEnd):
                 break
             if isinstance(part, ResponseStart):
-                start = part
-                headers = [*part.headers, (REPLICA_HEADER, str(self._replica).encode())]
-                await send(
-                    {"type": "http.response.start", "status": part.status, "headers": headers}
-                )
+                content_type = part.header(b"content-type") or b""
+                streaming = content_type.startswith(b"text/event-stream")
+            if streaming:
+                started = True
+                await self._send(part, send)
             else:
-                await send({"type": "http.response.body", "body": part, "more_body": True})
+                held.append(part)
+        for part in held:
+            await self._send(part, send)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _send(self, part: ResponseStart | bytes, send: Send) -> None:
+        if isinstance(part, ResponseStart):
+            headers = [*part.headers, (REPLICA_HEADER, str(self._replica).encode())]
+            await send({"type": "http.response.start", "status": part.status, "headers": headers})
+        else:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+
     async def _fail(
-        self,
-        error: Exception,
-        start: ResponseStart | None,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
+        self, error: Exception, started: bool, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        """End the response with `error` in the OpenAI format, as far as what was sent allows."""
+        """End the response with `error` in the OpenAI format: a 503 when nothing was sent yet,
+        else (an event stream has started) an `error` event and `data: [DONE]`."""
         logger.warning("engine replica %d failed mid-request: %r", self._replica, error)
         self._on_failure(self._replica)
         failure = replica_failed(self._replica, error)
-        if start is None:
+        if not started:
             await failure.response()(scope, receive, send)
             return
-        content_type = start.header(b"content-type") or b""
-        if content_type.startswith(b"text/event-stream"):
-            body = sse_event(failure.body()) + DONE_EVENT
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+        body = sse_event(failure.body()) + DONE_EVENT
+        await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

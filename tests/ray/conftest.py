@@ -4,6 +4,7 @@ seconds), and a single-process server with the same engine settings for referenc
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -31,6 +32,9 @@ def fleet() -> Iterator[RunningServer]:
     from loopserve.ray import build_app
     from loopserve.ray.routing import RoutingConfig
 
+    # Serve kills an HTTP proxy that is not ready within 3 checks of 5 s; a loaded machine can
+    # take longer to start one (the raylet's workers inherit this environment).
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     # Two replicas and the ingress on 2 cores: Ray's CPUs are a scheduling count, not cores.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()

@@ -24,6 +24,9 @@ SHARED_PREFIX = "".join(
     f"def function_{index}(value):\n    return value * {index}\n\n" for index in range(12)
 )
 REPLICA_HEADER = "x-loopserve-replica"
+# Seconds a client waits for the next bytes: a non-streaming answer of 400 tokens sends none until
+# it is done, which on a loaded 2-core machine can take two minutes.
+CLIENT_TIMEOUT_S = 300
 
 
 def _body(index: int, stream: bool, chat: bool, prefix: str = "") -> dict[str, Any]:
@@ -37,30 +40,43 @@ def _body(index: int, stream: bool, chat: bool, prefix: str = "") -> dict[str, A
 async def _generate(
     client: httpx.AsyncClient, server: RunningServer, body: dict[str, Any]
 ) -> dict[str, Any]:
-    """The request's text, exit depths and finish reason (streamed or not), the replica that
-    served it and any error event."""
+    """What came back for `body`: status, content type, the replica that answered, the text,
+    exit depths and finish reason (streamed or not), any error (an event or the body) and the
+    body's last lines, so that a failed assertion shows the whole answer."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    result: dict[str, Any] = {"text": "", "exit_depths": [], "finish_reason": None, "error": None}
     async with client.stream(
         "POST", server.url + path, json=body, headers=server.headers
     ) as response:
-        result["replica"] = response.headers.get(REPLICA_HEADER)
-        result["status"] = response.status_code
-        if not body["stream"]:
-            data = json.loads(await response.aread())
-            if "error" in data:
-                result["error"] = data["error"]
-                return result
+        lines = [line async for line in response.aiter_lines() if line]
+    result: dict[str, Any] = {
+        "stream": body["stream"],
+        "status": response.status_code,
+        "content_type": response.headers.get("content-type", ""),
+        "replica": response.headers.get(REPLICA_HEADER),
+        "text": "",
+        "exit_depths": [],
+        "finish_reason": None,
+        "error": None,
+        "last_lines": lines[-3:],
+    }
+    if not result["content_type"].startswith("text/event-stream"):
+        try:
+            data = json.loads("\n".join(lines))
+        except ValueError:
+            raise AssertionError(f"a body that is not JSON: {result}") from None
+        if "error" in data:
+            result["error"] = data["error"]
+        else:
             _add_choice(result, data["choices"][0])
-            return result
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            if "error" in event:
-                result["error"] = event["error"]
-            elif event["choices"]:
-                _add_choice(result, event["choices"][0])
+        return result
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        if "error" in event:
+            result["error"] = event["error"]
+        elif event["choices"]:
+            _add_choice(result, event["choices"][0])
     return result
 
 
@@ -77,7 +93,7 @@ def _add_choice(result: dict[str, Any], choice: dict[str, Any]) -> None:
 
 async def _all(server: RunningServer, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=len(bodies))
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=limits) as client:
         return await asyncio.gather(*(_generate(client, server, body) for body in bodies))
 
 
@@ -173,11 +189,20 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(fleet: RunningS
     async def run() -> list[dict[str, Any]]:
         pending = asyncio.ensure_future(_all(fleet, bodies))
 
-        def running_on_both() -> bool:
-            samples = _replica_samples(fleet, "loopserve:num_requests_running")
-            return all(samples.get(str(index), 0) > 0 for index in range(NUM_REPLICAS))
+        # Kill only once every request is on a replica: one that reached the ingress after the
+        # kill could go to replica 0 and wait there for the restarted replica, which serves it.
+        def all_on_replicas() -> bool:
+            samples = [
+                _replica_samples(fleet, f"loopserve:num_requests_{state}")
+                for state in ("running", "waiting")
+            ]
+            on = [
+                sum(sample.get(str(index), 0) for sample in samples)
+                for index in range(NUM_REPLICAS)
+            ]
+            return min(on) > 0 and sum(on) == len(bodies)
 
-        await asyncio.to_thread(_wait_for, running_on_both, 30, "requests on both replicas")
+        await asyncio.to_thread(_wait_for, all_on_replicas, 60, "every request on a replica")
         os.kill(pid, signal.SIGKILL)
         return await pending
 
@@ -186,12 +211,19 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(fleet: RunningS
     on_live = [result for result in served if result["replica"] != "0"]
     assert on_dead and on_live
     for result in on_live:
-        assert result["error"] is None and result["finish_reason"] == "length", result
-        assert len(result["exit_depths"]) == 400
+        assert result["status"] == 200 and result["error"] is None, result
+        assert result["finish_reason"] == "length" and len(result["exit_depths"]) == 400, result
     for result in on_dead:
-        assert result["error"] is not None, result
-        assert result["error"]["code"] == "replica_failed", result
-        assert "replica 0 failed" in result["error"]["message"]
+        # Nothing sent yet: a 503 with an error body. A started stream: an error event, then
+        # [DONE]. The error says which replica failed.
+        if result["status"] == 503:
+            assert result["content_type"] == "application/json", result
+        else:
+            assert result["stream"] and result["status"] == 200, result
+            assert result["last_lines"][-1] == "data: [DONE]", result
+            assert "error" in json.loads(result["last_lines"][-2].removeprefix("data: ")), result
+        assert result["error"] is not None and result["error"]["code"] == "replica_failed", result
+        assert "replica 0 failed" in result["error"]["message"], result
 
     # Serve restarts it; the ingress routes to it again once it answers a poll.
     def back() -> bool:

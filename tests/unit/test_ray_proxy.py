@@ -105,6 +105,20 @@ def test_a_replica_failing_before_answering_gives_a_503() -> None:
     assert json.loads(relay.body)["error"]["type"] == "server_error"
 
 
+def test_an_answer_that_is_not_a_stream_comes_whole_or_as_a_503() -> None:
+    """A replica dying between a JSON answer's start and its body must not leave a cut 200."""
+    json_start = ResponseStart(200, [(b"content-type", b"application/json")])
+    whole = Relay(_parts(json_start, b'{"id": ', b"1}", RESPONSE_END))
+    asyncio.run(whole.run())
+    assert whole.sent[0]["status"] == 200 and json.loads(whole.body) == {"id": 1}
+    for parts in (_parts(json_start, fail=True), _parts(json_start, b'{"id": ')):
+        cut = Relay(parts)
+        asyncio.run(cut.run())
+        assert [message.get("status") for message in cut.sent[:1]] == [503]
+        assert json.loads(cut.body)["error"]["code"] == "replica_failed"
+        assert cut.failed == [3] and cut.closed
+
+
 def test_a_client_that_leaves_cancels_the_replicas_work() -> None:
     async def endless() -> AsyncIterator[ResponsePart]:
         yield ResponseStart(200, SSE)
