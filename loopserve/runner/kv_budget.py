@@ -65,7 +65,7 @@ def num_kv_pages(
     if config.num_kv_pages is not None:
         return config.num_kv_pages
     if device.type == "cuda":
-        budget = _gpu_budget(config, model, device)
+        budget = gpu_kv_budget(config, model, device)
     elif config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * 2**30)
     else:
@@ -82,14 +82,15 @@ def num_kv_pages(
     return int(pages)
 
 
-def _gpu_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.device) -> int:
+def gpu_kv_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.device) -> int:
     """This engine's share of the GPU (`gpu_memory_utilization` of its memory, as in vLLM: a
     per-engine budget, so engines that share a GPU each take their own fraction) less the
     weights, the step peak and a margin; never more than the GPU has free now."""
     peak = profile_step_peak(model, config, device)
     torch.cuda.empty_cache()  # the profile's blocks: the free figure below must include them
     free, total = torch.cuda.mem_get_info(device)
-    weights = torch.cuda.memory_allocated(device)
+    # This engine's own weights: other engines of the process (benchmarks keep two) have theirs.
+    weights = sum(tensor.nbytes for tensor in (*model.parameters(), *model.buffers()))
     share = int(total * config.gpu_memory_utilization) - weights - peak - _GPU_MARGIN_BYTES
     fits = free - peak - _GPU_MARGIN_BYTES
     logger.info(
