@@ -10,7 +10,7 @@ a step does or add a device synchronisation: every figure is something the host 
 
 Every fact comes through public interfaces: the engine's scheduler, KV manager and
 `last_step_synced`, the `TimedRunner` the engine drives (`EngineSettings.timed`), and the runner's
-`decode_graph_bucket` and `swap`. With asynchronous scheduling a step launches its own work and
+`graphs` and `swap`. With asynchronous scheduling a step launches its own work and
 waits for the step before it, so the device time of step n shows up in the wait of step n + 1.
 """
 
@@ -197,7 +197,7 @@ class _TrialSteps:
             # The bucket the CUDA-graph rule gives these rows, and whether this run replayed a
             # graph (graphs off, or not CUDA: no).
             "bucket": row_bucket(rows, self.max_rows) if rows else None,
-            "graph": rows > 0 and self.runner.decode_graph_bucket(rows) is not None,
+            "graph": rows > 0 and self.runner.graphs is not None,
             "prefill_chunks": len(chunks),
             "prefill_tokens": sum(len(chunk.token_ids) for chunk in chunks),
             "table_entries": sum(len(update.page_ids) for update in scheduled.page_updates),

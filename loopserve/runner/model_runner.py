@@ -148,11 +148,6 @@ class ModelRunner:
         event.record()
         return host, event, counts
 
-    def decode_graph_bucket(self, rows: int) -> int | None:
-        """The row bucket whose CUDA graph a decode step over slots [0, rows) replays; None when
-        graphs are off (the step runs eagerly)."""
-        return None if self.graphs is None else self.graphs.bucket(rows)
-
     def run_decode_step(self, rows: int, kind: SamplingKind) -> torch.Tensor:
         """One decode step over slots [0, rows): a graph replay where graphs are on."""
         if self.graphs is not None:
