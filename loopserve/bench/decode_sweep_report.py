@@ -47,8 +47,9 @@ def _timed(records: list[dict]) -> list[dict]:
 def _times(
     records: list[dict], name: str, per_sm: float | None, last: bool = False
 ) -> dict[Shape, float]:
-    """µs per shape of tiling `name` at `per_sm` programs per SM (None: the default schedule),
-    the last program combining shared rows or not (one program per row: either)."""
+    """µs per shape of tiling `name` at `per_sm` programs per SM (None: the default schedule,
+    which says itself whether the last program combines), the last program combining shared rows
+    or not (one program per row: either)."""
     times: dict[Shape, float] = {}
     for record in _timed(records):
         if record["variant"] != name:
@@ -57,7 +58,8 @@ def _times(
             continue
         if per_sm is not None and per_sm not in record["covers_programs_per_sm"]:
             continue
-        if record["schedule"]["last_program_combines"] != last and record["splits"] > 1:
+        combines = record["schedule"]["last_program_combines"]
+        if per_sm is not None and combines != last and record["splits"] > 1:
             continue
         if record["schedule"]["fuse_kv_write"] is False:
             continue
