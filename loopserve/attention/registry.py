@@ -27,11 +27,12 @@ ATTENTION_BACKENDS: dict[str, str] = {
 AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer_fa2", "flashinfer_xqa", "torch")
 # Per compute-capability major, where measured. SM90: one H200, Ouro-1.4B decode (16 heads of 128,
 # MHA, page 16, bf16), CUDA-graph replay, per layer at 1 / 8 / 32 / 128 rows of 640 tokens
-# (scripts/gpu_flashinfer.sh's table, 2026-12-01): FA2 (unsplit, CUDA cores) 13.3 / 17.5 / 45.9 /
-# 163.6 us, Triton 8.9 / 21.1 / 48.2 / 169.4 us, XQA 11.9 / 17.9 / 56.9 / 188.2 us; end to end
-# (512/128, C=32, fixed depth) FA2 gave 1.09x Triton's output tok/s, 0.95-0.97x at C=1.
+# (scripts/gpu_flashinfer.sh's table, 2026-12-01, fourth session): Triton 7.9 / 20.4 / 47.3 /
+# 166.0 us, FA2 (unsplit, CUDA cores) 13.3 / 17.5 / 46.0 / 164.1 us, XQA (unsplit) 19.3 / 27.1 /
+# 68.1 / 197.1 us; end to end (512/128, A B B A) FA2 over Triton 0.95-0.97x at C=1, 0.92-1.03x at
+# C=8, 0.94-1.09x at C=32, 1.02-1.05x at C=128: Triton first (and it needs no JIT, serves fp32).
 AUTO_ORDER_BY_ARCH: dict[int, tuple[str, ...]] = {
-    9: ("flashinfer_fa2", "triton", "flashinfer_xqa", "torch"),
+    9: ("triton", "flashinfer_fa2", "flashinfer_xqa", "torch"),
 }
 
 

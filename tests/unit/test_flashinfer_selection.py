@@ -91,9 +91,9 @@ def test_installed_ouro_on_hopper_has_no_reasons(installed: fake_flashinfer.Call
 
 
 def test_auto_on_hopper_prefers_the_measured_order(installed: fake_flashinfer.Calls) -> None:
-    assert auto_order(ouro())[:3] == ("flashinfer_fa2", "triton", "flashinfer_xqa")
+    assert auto_order(ouro())[:3] == ("triton", "flashinfer_fa2", "flashinfer_xqa")
     choice = select_backend("auto", ouro())
-    assert (choice.backend, choice.cuda_graphs) == (FlashInferFA2Backend, True)
+    assert (choice.backend, choice.cuda_graphs) == (TritonAttentionBackend, True)
 
 
 def test_auto_elsewhere_keeps_triton_first(installed: fake_flashinfer.Calls) -> None:
