@@ -103,28 +103,50 @@ def test_auto_elsewhere_keeps_triton_first(installed: fake_flashinfer.Calls) -> 
         assert choice.backend is TritonAttentionBackend, capability
 
 
+NO_TRITON = "triton is not installed (pip install 'loopserve[triton]')"
+
+
+@pytest.fixture
+def no_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        TritonAttentionBackend, "environment_reasons", classmethod(lambda cls, spec: [NO_TRITON])
+    )
+
+
 def test_auto_falls_back_only_for_logged_reasons(
-    installed: fake_flashinfer.Calls, caplog: pytest.LogCaptureFixture
+    installed: fake_flashinfer.Calls, no_triton: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="loopserve.attention.registry"):
-        choice = select_backend("auto", ouro(dtype=torch.float32))
-    assert choice.backend is TritonAttentionBackend
-    assert "flashinfer_fa2 skipped: dtype torch.float32 not in" in caplog.text
-    assert "flashinfer_xqa" not in caplog.text  # after Triton on SM90: never consulted here
-    # A block size XQA does not take: FA2 still serves it first, and nothing is logged for XQA.
+        choice = select_backend("auto", ouro())
+    assert choice.backend is FlashInferFA2Backend
+    assert f"triton skipped: {NO_TRITON}" in caplog.text
+    assert "flashinfer_xqa" not in caplog.text  # after FA2 on SM90: never consulted here
+    # fp32, which neither FlashInfer backend takes: each says so, and torch serves it.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="loopserve.attention.registry"):
-        assert select_backend("auto", ouro(block_size=8)).backend is FlashInferFA2Backend
-    assert "skipped" not in caplog.text
+        assert select_backend("auto", ouro(dtype=torch.float32)).backend is TorchAttentionBackend
+    assert "flashinfer_fa2 skipped: dtype torch.float32 not in" in caplog.text
+    assert "flashinfer_xqa skipped: dtype torch.float32 not in" in caplog.text
 
 
-def test_auto_without_flashinfer_says_why(missing: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_without_flashinfer_says_nothing_while_triton_serves(
+    missing: None, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="loopserve.attention.registry"):
         choice = select_backend("auto", ouro())
     assert choice.backend is TritonAttentionBackend
+    assert "skipped" not in caplog.text
+
+
+def test_auto_without_triton_or_flashinfer_says_why(
+    missing: None, no_triton: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="loopserve.attention.registry"):
+        choice = select_backend("auto", ouro())
+    assert choice.backend is TorchAttentionBackend
     hint = "flashinfer is not installed (pip install 'loopserve[flashinfer]')"
+    assert f"triton skipped: {NO_TRITON}" in caplog.text
     assert f"flashinfer_fa2 skipped: {hint}" in caplog.text
-    assert "flashinfer_xqa" not in caplog.text
 
 
 @pytest.mark.parametrize(
