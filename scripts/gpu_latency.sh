@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# GPU issue 10 (single-stream latency) on one H200, in one call. Baseline = a worktree of the
+# commit before the change, git-ignored and carried beside the tree:
+#   git worktree add .baseline <commit>    then, carrying `.baseline`:
+#   OUT=$OUT BASELINE=.baseline bash scripts/gpu_latency.sh
+# Parts run in this order; PARTS selects (default: all), each under its own timeout:
+#   tests   pytest -m gpu $TESTS (the decode matmul at Ouro shapes, the fused step kernels, the
+#           engine suite: fp32 == serial reference, bf16 alone == in a batch, graphs == eager)
+#   gemv    python -m loopserve.bench.gemv: cuBLAS against the Triton matmul per projection and M
+#   budget  python -m loopserve.bench.step_budget --concurrency $BUDGET_C, baseline and this tree,
+#           A B B A: the per-kernel budget of one decode loop before and after
+#   ab      scripts/gpu_ab.sh, baseline (A) against this tree (B): $AB_ARGS (decode throughput
+#           and TPOT at C=1, 8, 32, fixed depth and d2.6)
+#   ttft    scripts/gpu_ab.sh again on one 1024-token prompt at a time: $TTFT_ARGS
+# Writes in $OUT: latency.log (everything), gemv.{jsonl,md}, budget-{A1,B1,B2,A2}.jsonl,
+# ab/ and ttft/ (gpu_ab.sh's files). Exits non-zero if a part failed or timed out.
+set -uo pipefail
+
+OUT="${OUT:-$PWD/latency-out}"
+PYTHON="${PYTHON:-python3}"
+BASELINE="$(cd "${BASELINE:-.baseline}" && pwd)"
+PARTS="${PARTS:-tests gemv budget ab ttft}"
+TESTS="${TESTS:-tests/kernels/test_gemv.py tests/kernels/test_step_kernels_gpu.py tests/gpu/test_engine_gpu.py}"
+GEMV_ARGS="${GEMV_ARGS:-}"
+BUDGET_C="${BUDGET_C:-1,32}"
+AB_ARGS="${AB_ARGS:---workload 512/128 --concurrency 1,8,32 --exits fixed,d2.6 --scheduling refill \
+--graphs on --trials 1}"
+TTFT_ARGS="${TTFT_ARGS:---workload 1024/8 --concurrency 1 --exits fixed \
+--graphs on --trials 1 --warmup-output-len 8}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+LOG="$OUT/latency.log"
+: >"$LOG"
+status=0
+
+wants() { [[ " $PARTS " == *" $1 "* ]]; }
+
+step() {  # step NAME TIMEOUT COMMAND...: run, append to the log, remember a failure
+  local name="$1" limit="$2"
+  shift 2
+  echo "== $name ($(date -u +%H:%M:%S), timeout ${limit}s)" | tee -a "$LOG"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc="${PIPESTATUS[0]}"
+  echo "== $name: exit $rc" | tee -a "$LOG"
+  if [ "$rc" -ne 0 ]; then status=1; fi
+}
+
+echo "== git $(git rev-parse --short HEAD 2>/dev/null || echo unknown), baseline" \
+  "$(git -C "$BASELINE" rev-parse --short HEAD 2>/dev/null || echo unknown); parts: $PARTS" \
+  | tee -a "$LOG"
+
+# shellcheck disable=SC2086  # TESTS is a list of paths
+if wants tests; then step "pytest -m gpu $TESTS" "${TESTS_TIMEOUT:-300}" \
+  env PYTHONPATH="$PWD" "$PYTHON" -m pytest -m gpu $TESTS -q -rs --durations=5 \
+  -p no:cacheprovider; fi
+
+# shellcheck disable=SC2086  # GEMV_ARGS is a list of flags
+if wants gemv; then step "python -m loopserve.bench.gemv $GEMV_ARGS" "${GEMV_TIMEOUT:-150}" \
+  env PYTHONPATH="$PWD" "$PYTHON" -m loopserve.bench.gemv $GEMV_ARGS --out "$OUT/gemv.jsonl" \
+  --markdown "$OUT/gemv.md"; fi
+
+if wants budget; then
+  for phase in A1:"$BASELINE" B1:"$PWD" B2:"$PWD" A2:"$BASELINE"; do
+    name="${phase%%:*}" tree="${phase#*:}"
+    step "step_budget $name ($tree)" "${BUDGET_TIMEOUT:-90}" bash -c "cd '$tree' &&
+      PYTHONPATH='$tree' '$PYTHON' -m loopserve.bench.step_budget --concurrency $BUDGET_C \
+      --out '$OUT/budget-$name.jsonl'"
+  done
+fi
+
+if wants ab; then step "gpu_ab.sh $AB_ARGS" "${AB_TIMEOUT:-400}" env OUT="$OUT/ab" \
+  BASELINE="$BASELINE" BENCH_ARGS="$AB_ARGS" bash scripts/gpu_ab.sh; fi
+
+if wants ttft; then step "gpu_ab.sh $TTFT_ARGS" "${TTFT_TIMEOUT:-200}" env OUT="$OUT/ttft" \
+  BASELINE="$BASELINE" BENCH_ARGS="$TTFT_ARGS" bash scripts/gpu_ab.sh; fi
+
+echo "== done: exit $status ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+exit "$status"
