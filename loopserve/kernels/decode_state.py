@@ -29,8 +29,6 @@ import triton
 import triton.language as tl
 
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.models.ouro import OuroForCausalLM
-from loopserve.sample.sampler import SampleResult
 
 # SlotRule values (depth.policy; a test checks they agree).
 _GATE, _DELAYED_GATE, _TRACE = 1, 2, 3
@@ -227,28 +225,26 @@ class Coda:
 
 
 class DecodeKernels:
-    """The two launches of a step over `state`'s slots; page tables `tables` [slots, planes, P]
-    int32 of `block_size`-token pages."""
+    """The two launches of a step over `state`'s slots."""
 
     def __init__(
         self,
         state: SlotState,
-        model: OuroForCausalLM,
-        tables: torch.Tensor,
+        tables: torch.Tensor,  # [slots, planes, P] int32 page tables
         block_size: int,
+        embedding: torch.Tensor,  # [V, H] the token embedding's weight
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [positions, D]: model.rope(arange)
         no_refill: bool,
         full_layout: bool,
     ) -> None:
         self.state = state
         self.tables = tables
         self.block_size = block_size
+        self.embedding = embedding
+        self.rope_cos, self.rope_sin = rope
         self.no_refill = no_refill
         self.full_layout = full_layout
         slots, self.num_planes, self.num_pages = tables.shape
-        self.embedding = model.model.embed_tokens.weight
-        # RoPE rows of every position a page table can hold (2 * positions * D * dtype bytes).
-        positions = torch.arange(self.num_pages * block_size, device=tables.device)
-        self.rope_cos, self.rope_sin = model.rope(positions)
         self.hidden_size = state.hidden.shape[1]
         self.head_dim = self.rope_cos.shape[1]
         self.block_rows = triton.next_power_of_2(slots)
@@ -284,29 +280,31 @@ class DecodeKernels:
     def coda(
         self,
         start: Prologue,
-        hazard: torch.Tensor,  # [rows] fp32
-        sampled: SampleResult,
         out: torch.Tensor,  # [rows, H] the loop's output
+        hazard: torch.Tensor,  # [rows] fp32
+        sampled: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         record_width: int,
     ) -> Coda:
-        """Decide exits and update the state of slots [0, rows) in place."""
+        """Decide exits and update the state of slots [0, rows) in place. `sampled`: tokens [rows]
+        int64, their logprobs [rows] fp32, top ids [rows, K] int64, top logprobs [rows, K] fp32."""
         state, device = self.state, self.tables.device
-        rows, top = start.ran.shape[0], sampled.top_ids.shape[1]
+        tokens, logprobs, top_ids, top_logprobs = sampled
+        rows, top = start.ran.shape[0], top_ids.shape[1]
         record = torch.empty((rows, record_width), dtype=torch.float32, device=device)
         planes = self.num_planes if self.full_layout else 0
         source = torch.empty(rows * planes, dtype=torch.int64, device=device)
         destination = torch.empty(rows * planes, dtype=torch.int64, device=device)
         stop_ids, trace = state.stop_ids, state.trace_depths
         _coda_kernel[(rows,)](
-            start.ran, start.waiting, hazard, sampled.tokens, sampled.logprobs, sampled.top_ids,
-            sampled.top_logprobs, out, state.active, state.waiting, state.loop, state.min_loops,
-            state.max_loops, state.rule, state.threshold, state.survival, state.stop_next, trace,
+            start.ran, start.waiting, hazard, tokens, logprobs, top_ids, top_logprobs, out,
+            state.active, state.waiting, state.loop, state.min_loops, state.max_loops, state.rule,
+            state.threshold, state.survival, state.stop_next, trace,
             state.output_count, state.max_tokens, stop_ids, state.token, state.position,
             state.hidden, self.tables,
             record, source, destination,
             self.num_planes, self.num_pages, self.block_size, NULL_PAGE * self.block_size,
-            self.hidden_size, out.stride(0), sampled.top_ids.stride(0),
-            sampled.top_logprobs.stride(0), trace.shape[1], stop_ids.shape[1], record_width,
+            self.hidden_size, out.stride(0), top_ids.stride(0), top_logprobs.stride(0),
+            trace.shape[1], stop_ids.shape[1], record_width,
             NO_REFILL=self.no_refill, COPIES=self.full_layout, TOP=top,
             BLOCK_TOP=triton.next_power_of_2(max(top, 1)),
             BLOCK_STOPS=triton.next_power_of_2(stop_ids.shape[1]),

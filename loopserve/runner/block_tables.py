@@ -2,7 +2,9 @@
 
 Owns: the int32 table `[slot, plane, page index] -> page id` kept in step with the scheduler's
 `PageTableUpdate`s, and the construction of `AttentionMetadata` for the decode step and prompt
-chunks. Must not: decide anything; it mirrors the torch-free KV manager on the device.
+chunks. Must not: decide anything; it mirrors the torch-free KV manager on the device. The decode
+metadata's device tensors have a Triton twin in the CUDA decode step's prologue
+(`kernels/decode_state.py`), which hands them to `decode_metadata_from`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ in a CUDA graph and run ahead of the host. Must not: read anything from the host
 (every per-step input is already in device tensors), or decide exits or planes itself.
 
 This is the only decode path, on every device; the serial reference is held to it by the tests.
+Where the layer ops are fused Triton kernels (CUDA; `fused_kernels`, set by the runner's setup),
+the bookkeeping around the loop runs as two launches, `kernels/decode_state.py`'s prologue and
+coda, twins of the torch code here, which stays the reference (tests/kernels/test_decode_state.py
+holds them bit for bit) and the path everywhere else. The model, the exit gate, the LM head,
+sampling and the K/V copy run as torch on both paths.
 """
 
 from __future__ import annotations
@@ -111,11 +116,14 @@ class DecodeStep:
         if fused_kernels:
             from loopserve.kernels.decode_state import DecodeKernels
 
+            # RoPE rows of every position a page table holds (2 * positions * D values).
+            positions = torch.arange(block_tables.tables.shape[2] * block_tables.block_size)
             self.kernels = DecodeKernels(
                 self,
-                model,
                 block_tables.tables,
                 block_tables.block_size,
+                embedding=model.model.embed_tokens.weight,
+                rope=model.rope(positions.to(device)),
                 no_refill=self.scheduling is policy.Scheduling.NO_REFILL,
                 full_layout=self.layout.copies_on_exit,
             )
@@ -235,7 +243,8 @@ class DecodeStep:
         )
         out, hazard, sampled = self._loop(rows, kind, start.hidden, start.cos, start.sin, metadata)
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
-        coda = kernels.coda(start, hazard, sampled, out, width)
+        columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+        coda = kernels.coda(start, out, hazard, columns, width)
         if coda.copies is not None:
             self.kv.copy_slots(*coda.copies)
         return coda.record
