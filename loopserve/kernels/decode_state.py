@@ -10,8 +10,9 @@ embed-or-hidden select, stop test, record and state updates of `runner.decode_st
 tests/kernels/test_decode_state.py holds the twins to each other bit for bit (random states,
 every exit rule, both schedulings and both layouts); change a rule in both places.
 
-fp32 survival math is the same sequence of operations as `exit_test` (a product and two
-differences, no multiply-add to contract), so exits agree bit for bit. RoPE angles are not
+fp32 survival math is the same sequence of operations as `exit_test`, compiled without FMA
+contraction (the test's `1 - S` would otherwise fuse with the product that made S, which torch
+rounds first), so exits agree bit for bit. RoPE angles are not
 computed here: the prologue gathers rows of a table the model's own `rope` computed once for
 every position (elementwise torch ops, so each row has the bits `rope` gives that position).
 
@@ -309,5 +310,6 @@ class DecodeKernels:
             BLOCK_TOP=triton.next_power_of_2(max(top, 1)),
             BLOCK_STOPS=triton.next_power_of_2(stop_ids.shape[1]),
             BLOCK_PLANES=triton.next_power_of_2(self.num_planes), BLOCK_HIDDEN=self.block_hidden,
+            enable_fp_fusion=False,  # 1 - S * (1 - λ): torch rounds S before the difference
         )  # fmt: skip
         return Coda(record, (source, destination) if self.full_layout else None)

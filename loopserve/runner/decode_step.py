@@ -117,13 +117,13 @@ class DecodeStep:
             from loopserve.kernels.decode_state import DecodeKernels
 
             # RoPE rows of every position a page table holds (2 * positions * D values).
-            positions = torch.arange(block_tables.tables.shape[2] * block_tables.block_size)
+            positions = block_tables.tables.shape[2] * block_tables.block_size
             self.kernels = DecodeKernels(
                 self,
                 block_tables.tables,
                 block_tables.block_size,
                 embedding=model.model.embed_tokens.weight,
-                rope=model.rope(positions.to(device)),
+                rope=model.rope(torch.arange(positions, device=device)),
                 no_refill=self.scheduling is policy.Scheduling.NO_REFILL,
                 full_layout=self.layout.copies_on_exit,
             )
