@@ -7,7 +7,8 @@ combines this test with them.
 With hazards λ_j of loops j = 1..d, survival S_d = Π_{j<=d} (1 − λ_j) and CDF_d = 1 − S_d. A token
 may exit after loop d when d >= min_loops and CDF_d >= threshold (and must at max_loops). Every
 implementation computes S_d by this exact sequence of fp32 operations, so that all of them agree
-bit for bit on where a token exits.
+bit for bit on where a token exits; that includes the Triton twin of the CUDA decode step
+(`kernels/decode_state.py`, tested against this by tests/kernels/test_decode_state.py).
 """
 
 from __future__ import annotations

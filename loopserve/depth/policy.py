@@ -4,8 +4,9 @@ Owns: the exit modes, the per-request rule the decode step applies, the decision
 the next loop of every row, and the `refill` / `no_refill` rule (docs/looped-models.md §4). Must
 not: import torch. The decode step calls these functions with [rows] tensors on its device; they
 use only arithmetic, comparisons and tensor methods, so the same code runs eagerly, inside a CUDA
-graph, or on the CPU. The serial reference is the one deliberate second implementation: it is the
-oracle the step is tested against.
+graph, or on the CPU. Two deliberate second implementations: the serial reference, the oracle the
+step is tested against, and the Triton twin the CUDA decode step runs (`kernels/decode_state.py`,
+held to these functions bit for bit by tests/kernels/test_decode_state.py: change both).
 
 A row is a slot holding one request's in-flight token. Each step runs one loop for every row that
 runs; after the loop the policy says which rows exit (their next token starts at loop 1) and which

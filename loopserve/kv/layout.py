@@ -2,7 +2,9 @@
 
 Owns: every rule that differs between `full` and `shared` (docs/looped-models.md §3). Must not:
 import torch. The scheduler asks it with Python ints; the decode step asks the same methods with
-int64 tensors (they use only arithmetic and comparisons), so both follow one definition.
+int64 tensors (they use only arithmetic and comparisons), so both follow one definition; on CUDA
+`decode_plane` and `copy_on_exit_target` also have a Triton twin (`kernels/decode_state.py`,
+held to them bit for bit by tests/kernels/test_decode_state.py).
 
 A request's K/V live in `max_loops` *planes*, one page table each; plane p holds the version its
 tokens had after loop p + 1.

@@ -2,7 +2,9 @@
 
 Owns: the int32 table `[slot, plane, page index] -> page id` kept in step with the scheduler's
 `PageTableUpdate`s, and the construction of `AttentionMetadata` for the decode step and prompt
-chunks. Must not: decide anything; it mirrors the torch-free KV manager on the device.
+chunks. Must not: decide anything; it mirrors the torch-free KV manager on the device. The decode
+metadata's device tensors have a Triton twin in the CUDA decode step's prologue
+(`kernels/decode_state.py`), which hands them to `decode_metadata_from`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class BlockTables:
         self.tables = torch.full(
             (max_num_seqs, num_planes, max_pages), NULL_PAGE, dtype=torch.int32, device=device
         )
+        # One query per decode row: the same starts every step (a view, no launch).
+        self._query_start = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
 
     def apply(self, updates: Sequence[PageTableUpdate], cleared_slots: Sequence[int]) -> None:
         """Clear freed slots first (a slot may be reused by this very step), then add pages.
@@ -71,12 +75,25 @@ class BlockTables:
         page_table = self.tables[slot_index, planes]  # [R, P]
         slots = self.flat_slots(page_table, slot_index, positions)
         seq_lens = torch.where(ran, positions + 1, torch.zeros_like(positions)).to(torch.int32)
+        slot_mapping = torch.where(ran, slots, NULL_PAGE * self.block_size)
+        return self.decode_metadata_from(seq_lens, page_table, slot_mapping, host_lengths)
+
+    def decode_metadata_from(
+        self,
+        seq_lens: torch.Tensor,  # [R] int32
+        page_table: torch.Tensor,  # [R, P] int32
+        slot_mapping: torch.Tensor,  # [R] int64
+        host_lengths: bool,
+    ) -> AttentionMetadata:
+        """`decode_metadata` from its device tensors, built by `decode_metadata` or by the
+        decode step's prologue kernel (kernels/decode_state.py)."""
+        rows = seq_lens.shape[0]
         host = seq_lens.tolist() if host_lengths else None
         return AttentionMetadata(
-            query_start=torch.arange(rows + 1, dtype=torch.int32, device=self.device),
+            query_start=self._query_start[: rows + 1],
             seq_lens=seq_lens,
             page_table=page_table,
-            slot_mapping=torch.where(ran, slots, NULL_PAGE * self.block_size),
+            slot_mapping=slot_mapping,
             max_query_len=1,
             max_seq_len=page_table.shape[1] * self.block_size,
             query_start_host=None if host is None else list(range(rows + 1)),

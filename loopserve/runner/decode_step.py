@@ -8,12 +8,17 @@ in a CUDA graph and run ahead of the host. Must not: read anything from the host
 (every per-step input is already in device tensors), or decide exits or planes itself.
 
 This is the only decode path, on every device; the serial reference is held to it by the tests.
+Where the layer ops are fused Triton kernels (CUDA; `fused_kernels`, set by the runner's setup),
+the bookkeeping around the loop runs as two launches, `kernels/decode_state.py`'s prologue and
+coda, twins of the torch code here, which stays the reference (tests/kernels/test_decode_state.py
+holds them bit for bit) and the path everywhere else. The model, the exit gate, the LM head,
+sampling and the K/V copy run as torch on both paths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,18 +30,23 @@ from loopserve.depth.policy import ExitMode, RowDepth, slot_rule
 from loopserve.depth.trace import trace_depths
 from loopserve.engine.scheduler_output import SlotStart
 from loopserve.kv.layout import KVLayout
+from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.runner.block_tables import BlockTables
 from loopserve.sample.sampler import (
+    SampleResult,
     SamplingBatch,
     effective_temperature,
     effective_top_k,
     needs_filter,
     sample,
 )
+
+if TYPE_CHECKING:
+    from loopserve.kernels.decode_state import DecodeKernels
 
 # Columns of the per-row result record (fp32: token ids < 2**24 are exact).
 RAN, LOOP, EXITED, TOKEN, STOPPED, LOGPROB = range(6)
@@ -64,6 +74,7 @@ class DecodeStep:
         block_tables: BlockTables,
         config: SchedulerConfig,
         max_trace_length: int,
+        fused_kernels: bool,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -100,6 +111,22 @@ class DecodeStep:
         self.logprob_counts: list[int | None] = [None] * slots
         self._greedy_host = [True] * slots
         self._filter_host = [False] * slots
+        # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too.
+        self.kernels: DecodeKernels | None = None
+        if fused_kernels:
+            from loopserve.kernels.decode_state import DecodeKernels
+
+            # RoPE rows of every position a page table holds (2 * positions * D values).
+            positions = block_tables.tables.shape[2] * block_tables.block_size
+            self.kernels = DecodeKernels(
+                self,
+                block_tables.tables,
+                block_tables.block_size,
+                embedding=model.model.embed_tokens.weight,
+                rope=model.rope(torch.arange(positions, device=device)),
+                no_refill=self.scheduling is policy.Scheduling.NO_REFILL,
+                full_layout=self.layout.copies_on_exit,
+            )
 
     # ----- host -> device (between steps) --------------------------------------------------
 
@@ -170,6 +197,8 @@ class DecodeStep:
 
     def step(self, rows: int, kind: SamplingKind) -> torch.Tensor:
         """One loop for slots [0, rows). Returns the result record [rows, RESULT_COLUMNS + 2K]."""
+        if self.kernels is not None:
+            return self._fused_step(rows, kind, self.kernels)
         active = self.active[:rows]
         ran, waiting = policy.runs(active, self.waiting[:rows], self.scheduling)
         row = self._row_depth(rows)
@@ -178,15 +207,11 @@ class DecodeStep:
             (row.loop == 1)[:, None], self.model.embed(self.token[:rows]), self.hidden[:rows]
         )
         plane = self.layout.decode_plane(row.loop, row.max_loops)
-        host_lengths = not self.backend.supports_cuda_graphs
-        metadata = self.block_tables.decode_metadata(ran, plane, position, host_lengths)
+        metadata = self.block_tables.decode_metadata(ran, plane, position, self._host_lengths)
         cos, sin = self.model.rope(position)
-        context = LoopContext(cos, sin, PagedAttention(self.backend, self.kv, metadata))
-        out = self.model.run_loop(hidden, context)  # [rows, H]
-        outcome = policy.after_loop(row, ran, self.model.exit_probability(out))
+        out, hazard, sampled = self._loop(rows, kind, hidden, cos, sin, metadata)
+        outcome = policy.after_loop(row, ran, hazard)
         exited = outcome.exited
-        logits = self.model.compute_logits(out)  # [rows, V], used only where a row exits
-        sampled = sample(logits, self._sampling_batch(rows, kind))
         if self.layout.copies_on_exit:
             self._copy_on_exit(rows, exited, row, position)
         count = self.output_count[:rows] + exited.long()
@@ -208,6 +233,41 @@ class DecodeStep:
         self.waiting[:rows] = following.waiting
         self.active[:rows] = active & ~stopped
         return record
+
+    def _fused_step(self, rows: int, kind: SamplingKind, kernels: DecodeKernels) -> torch.Tensor:
+        """`step` with the bookkeeping around the loop in two launches (kernels/decode_state.py,
+        the twin of the torch path above, which is the reference it is tested against)."""
+        start = kernels.prologue(rows)
+        metadata = self.block_tables.decode_metadata_from(
+            start.seq_lens, start.page_table, start.slot_mapping, self._host_lengths
+        )
+        out, hazard, sampled = self._loop(rows, kind, start.hidden, start.cos, start.sin, metadata)
+        width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
+        columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+        coda = kernels.coda(start, out, hazard, columns, width)
+        if coda.copies is not None:
+            self.kv.copy_slots(*coda.copies)
+        return coda.record
+
+    @property
+    def _host_lengths(self) -> bool:
+        return not self.backend.supports_cuda_graphs
+
+    def _loop(
+        self,
+        rows: int,
+        kind: SamplingKind,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, SampleResult]:
+        """The loop itself, the exit hazard λ and the sampled token of every row."""
+        context = LoopContext(cos, sin, PagedAttention(self.backend, self.kv, metadata))
+        out = self.model.run_loop(hidden, context)  # [rows, H]
+        hazard = self.model.exit_probability(out)
+        logits = self.model.compute_logits(out)  # [rows, V], used only where a row exits
+        return out, hazard, sample(logits, self._sampling_batch(rows, kind))
 
     def _row_depth(self, rows: int) -> RowDepth:
         width = self.trace_depths.shape[1]

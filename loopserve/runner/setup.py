@@ -137,7 +137,9 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
         device,
     )
     traced = scheduler.exit_mode is ExitMode.TRACE
-    decode = DecodeStep(model, kv, backend, tables, scheduler, max_model_len if traced else 1)
+    trace_length = max_model_len if traced else 1
+    fused = isinstance(model.ops, TritonOps)  # the step's bookkeeping is fused where layers are
+    decode = DecodeStep(model, kv, backend, tables, scheduler, trace_length, fused_kernels=fused)
     info = RunnerInfo(
         model_config=model_config,
         model_dir=None if model_dir is None else str(model_dir),

@@ -17,6 +17,7 @@ from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from loopserve.models.ops import TorchOps
 from loopserve.models.ouro import LoopContext
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.model_runner import ModelRunner, PendingOutput
@@ -48,6 +49,7 @@ class FakeLoopedModel:
         )
         self.hazards = hazards or {}
         self.dtype = torch.float32
+        self.ops = TorchOps()  # as OuroForCausalLM's on the CPU: the decode step runs as torch
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = torch.zeros(input_ids.shape[0], HIDDEN)

@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"depth", "kv.pages", "kv.layout", "models.ouro_config", "models.generation_config"}
     | CORE,
     "runner": {"engine.scheduler_output", "engine.runner_api", "models", "attention", "sample"}
-    | {"kv", "depth"}
+    | {"kernels", "kv", "depth"}
     | CORE,
     "models": {"kernels"},
     "attention": {"kernels", "kv"},
