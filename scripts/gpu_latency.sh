@@ -4,8 +4,9 @@
 #   git worktree add .baseline <commit>    then, carrying `.baseline`:
 #   OUT=$OUT BASELINE=.baseline bash scripts/gpu_latency.sh
 # Parts run in this order; PARTS selects (default: all), each under its own timeout:
-#   tests   pytest -m gpu $TESTS (the decode matmul at Ouro shapes, the fused step kernels, the
-#           engine suite: fp32 == serial reference, bf16 alone == in a batch, graphs == eager)
+#   tests   pytest -m "gpu or not gpu" $TESTS: the decode matmul and the fused step kernels (their
+#           CPU tests compiled for CUDA, and their GPU tests at Ouro shapes), the engine suite
+#           (fp32 == serial reference, bf16 alone == in a batch, graphs == eager, no sync)
 #   gemv    python -m loopserve.bench.gemv: cuBLAS against the Triton matmul per projection and M
 #   budget  python -m loopserve.bench.step_budget --concurrency $BUDGET_C, baseline and this tree,
 #           A B B A: the per-kernel budget of one decode loop before and after
@@ -20,7 +21,7 @@ OUT="${OUT:-$PWD/latency-out}"
 PYTHON="${PYTHON:-python3}"
 BASELINE="$(cd "${BASELINE:-.baseline}" && pwd)"
 PARTS="${PARTS:-tests gemv budget ab ttft}"
-TESTS="${TESTS:-tests/kernels/test_gemv.py tests/kernels/test_step_kernels_gpu.py tests/gpu/test_engine_gpu.py}"
+TESTS="${TESTS:-tests/kernels/test_gemv.py tests/kernels/test_decode_state.py tests/gpu/test_engine_gpu.py}"
 GEMV_ARGS="${GEMV_ARGS:-}"
 BUDGET_C="${BUDGET_C:-1,32}"
 AB_ARGS="${AB_ARGS:---workload 512/128 --concurrency 1,8,32 --exits fixed,d2.6 --scheduling refill \
@@ -52,8 +53,8 @@ echo "== git $(git rev-parse --short HEAD 2>/dev/null || echo unknown), baseline
   | tee -a "$LOG"
 
 # shellcheck disable=SC2086  # TESTS is a list of paths
-if wants tests; then step "pytest -m gpu $TESTS" "${TESTS_TIMEOUT:-300}" \
-  env PYTHONPATH="$PWD" "$PYTHON" -m pytest -m gpu $TESTS -q -rs --durations=5 \
+if wants tests; then step "pytest $TESTS" "${TESTS_TIMEOUT:-300}" \
+  env PYTHONPATH="$PWD" "$PYTHON" -m pytest -m "gpu or not gpu" $TESTS -q -rs --durations=5 \
   -p no:cacheprovider; fi
 
 # shellcheck disable=SC2086  # GEMV_ARGS is a list of flags
