@@ -9,7 +9,7 @@
 #           (fp32 == serial reference, bf16 alone == in a batch, graphs == eager, no sync)
 #   gemv    python -m loopserve.bench.gemv: cuBLAS against the Triton matmul per projection and M
 #   budget  python -m loopserve.bench.step_budget --concurrency $BUDGET_C, baseline and this tree,
-#           A B B A: the per-kernel budget of one decode loop before and after
+#           A B B A (BUDGET_PHASES="A1:<tree> B1:<tree>" for fewer): one loop's per-kernel budget
 #   ab      scripts/gpu_ab.sh, baseline (A) against this tree (B): $AB_ARGS (decode throughput
 #           and TPOT at C=1, 8, 32, fixed depth and d2.6)
 #   ttft    scripts/gpu_ab.sh again on one 1024-token prompt at a time: $TTFT_ARGS
@@ -63,7 +63,7 @@ if wants gemv; then step "python -m loopserve.bench.gemv $GEMV_ARGS" "${GEMV_TIM
   --markdown "$OUT/gemv.md"; fi
 
 if wants budget; then
-  for phase in A1:"$BASELINE" B1:"$PWD" B2:"$PWD" A2:"$BASELINE"; do
+  for phase in ${BUDGET_PHASES:-A1:$BASELINE B1:$PWD B2:$PWD A2:$BASELINE}; do
     name="${phase%%:*}" tree="${phase#*:}"
     step "step_budget $name ($tree)" "${BUDGET_TIMEOUT:-90}" bash -c "cd '$tree' &&
       PYTHONPATH='$tree' '$PYTHON' -m loopserve.bench.step_budget --concurrency $BUDGET_C \
