@@ -31,8 +31,9 @@ import triton.language as tl
 
 from loopserve.kv.pages import NULL_PAGE
 
-# SlotRule values (depth.policy; a test checks they agree).
-_GATE, _DELAYED_GATE, _TRACE = 1, 2, 3
+# SlotRule values (depth.policy; a test checks they agree). constexpr: triton reads no other
+# globals inside a kernel.
+_GATE, _DELAYED_GATE, _TRACE = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
