@@ -4,25 +4,23 @@
 #   git worktree add .baseline <commit>    then, carrying `.baseline`:
 #   OUT=$OUT BASELINE=.baseline bash scripts/gpu_latency.sh
 # Parts run in this order; PARTS selects (default: all), each under its own timeout:
-#   tests   pytest -m "gpu or not gpu" $TESTS: the decode matmul and the fused step kernels (their
-#           CPU tests compiled for CUDA, and their GPU tests at Ouro shapes), the engine suite
-#           (fp32 == serial reference, bf16 alone == in a batch, graphs == eager, no sync)
-#   gemv    python -m loopserve.bench.gemv: cuBLAS against the Triton matmul per projection and M
+#   tests   pytest -m "gpu or not gpu" $TESTS: the fused step kernels (their CPU tests compiled
+#           for CUDA, and their GPU tests in bf16, eager and graphed), the engine suite (fp32 ==
+#           serial reference, bf16 alone == in a batch, graphs == eager, no sync)
 #   budget  python -m loopserve.bench.step_budget --concurrency $BUDGET_C, baseline and this tree,
 #           A B B A (BUDGET_PHASES="A1:<tree> B1:<tree>" for fewer): one loop's per-kernel budget
 #   ab      scripts/gpu_ab.sh, baseline (A) against this tree (B): $AB_ARGS (decode throughput
 #           and TPOT at C=1, 8, 32, fixed depth and d2.6)
 #   ttft    scripts/gpu_ab.sh again on one 1024-token prompt at a time: $TTFT_ARGS
-# Writes in $OUT: latency.log (everything), gemv.{jsonl,md}, budget-{A1,B1,B2,A2}.jsonl,
+# Writes in $OUT: latency.log (everything), budget-{A1,B1,B2,A2}.jsonl,
 # ab/ and ttft/ (gpu_ab.sh's files). Exits non-zero if a part failed or timed out.
 set -uo pipefail
 
 OUT="${OUT:-$PWD/latency-out}"
 PYTHON="${PYTHON:-python3}"
 BASELINE="$(cd "${BASELINE:-.baseline}" && pwd)"
-PARTS="${PARTS:-tests gemv budget ab ttft}"
-TESTS="${TESTS:-tests/kernels/test_gemv.py tests/kernels/test_decode_state.py tests/gpu/test_engine_gpu.py}"
-GEMV_ARGS="${GEMV_ARGS:-}"
+PARTS="${PARTS:-tests budget ab ttft}"
+TESTS="${TESTS:-tests/kernels/test_decode_state.py tests/gpu/test_engine_gpu.py}"
 BUDGET_C="${BUDGET_C:-1,32}"
 AB_ARGS="${AB_ARGS:---workload 512/128 --concurrency 1,8,32 --exits fixed,d2.6 --scheduling refill \
 --graphs on --trials 1}"
@@ -56,11 +54,6 @@ echo "== git $(git rev-parse --short HEAD 2>/dev/null || echo unknown), baseline
 if wants tests; then step "pytest $TESTS" "${TESTS_TIMEOUT:-300}" \
   env PYTHONPATH="$PWD" "$PYTHON" -m pytest -m "gpu or not gpu" $TESTS -q -rs --durations=5 \
   -p no:cacheprovider; fi
-
-# shellcheck disable=SC2086  # GEMV_ARGS is a list of flags
-if wants gemv; then step "python -m loopserve.bench.gemv $GEMV_ARGS" "${GEMV_TIMEOUT:-150}" \
-  env PYTHONPATH="$PWD" "$PYTHON" -m loopserve.bench.gemv $GEMV_ARGS --out "$OUT/gemv.jsonl" \
-  --markdown "$OUT/gemv.md"; fi
 
 if wants budget; then
   for phase in ${BUDGET_PHASES:-A1:$BASELINE B1:$PWD B2:$PWD A2:$BASELINE}; do

@@ -96,14 +96,11 @@ class Attention(nn.Module):
         self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
         self.q_proj = self.k_proj = self.v_proj = None
 
-    def _project(
-        self, x: torch.Tensor, ops: ModelOps
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, Nq, D], k/v [T, Nkv, D] (views of one matmul when fused)."""
         tokens = x.shape[0]
         if self.qkv_proj is not None:
-            qkv = ops.linear(x, self.qkv_proj, "qkv")
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -116,10 +113,10 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, layer_index: int, ctx: LoopContext, ops: ModelOps
     ) -> torch.Tensor:
-        q, k, v = self._project(x, ops)
+        q, k, v = self._project(x)
         q, k = ops.rotary(q, k, ctx.cos, ctx.sin)
         out = ctx.attention(layer_index, q, k, v)  # [T, Nq, D]
-        return ops.linear(out.reshape(x.shape[0], self.q_size), self.o_proj, "o")
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -141,12 +138,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = ops.linear(x, self.gate_up_proj, "gate_up")
-            gate, up = gate_up.split([self.inner, self.inner], dim=-1)
+            gate, up = self.gate_up_proj(x).split([self.inner, self.inner], dim=-1)
         else:
             assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return ops.down(gate, up, self.down_proj)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -216,8 +212,7 @@ class OuroForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
-        # How norms, RoPE, SiLU and the projections run: torch ops, or fused kernels (set by the
-        # runner on CUDA).
+        # How norms, RoPE and SiLU run: torch ops, or fused kernels (set by the runner on CUDA).
         self.ops: ModelOps = TorchOps()
 
     def fuse_projections(self) -> None:
