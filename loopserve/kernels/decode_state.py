@@ -52,9 +52,9 @@ def _prologue_kernel(
     waiting = tl.load(waiting_ptr + row) != 0
     if NO_REFILL:
         every = tl.arange(0, BLOCK_ROWS)
-        inside = every < rows
-        others_active = tl.load(active_ptr + every, mask=inside, other=0) != 0
-        others_waiting = tl.load(waiting_ptr + every, mask=inside, other=0) != 0
+        in_rows = every < rows
+        others_active = tl.load(active_ptr + every, mask=in_rows, other=0) != 0
+        others_waiting = tl.load(waiting_ptr + every, mask=in_rows, other=0) != 0
         still_running = tl.max((others_active & ~others_waiting).to(tl.int32), axis=0) > 0
         waiting = waiting & still_running
     ran = active & ~waiting
@@ -71,9 +71,9 @@ def _prologue_kernel(
     tl.store(seq_lens_out + row, tl.where(ran, position + 1, 0).to(tl.int32))
     for start in range(0, num_pages, BLOCK_PAGES):
         pages = start + tl.arange(0, BLOCK_PAGES)
-        inside = pages < num_pages
-        ids = tl.load(table_row + pages, mask=inside)
-        tl.store(page_table_out + row * num_pages + pages, ids, mask=inside)
+        in_table = pages < num_pages
+        ids = tl.load(table_row + pages, mask=in_table)
+        tl.store(page_table_out + row * num_pages + pages, ids, mask=in_table)
     # model.rope(position): a row of the table (clamped: rows past it do not run)
     dims = tl.arange(0, BLOCK_HEAD)
     in_head = dims < head_dim
@@ -85,9 +85,9 @@ def _prologue_kernel(
     source = tl.where(loop == 1, embed_ptr + token * hidden_size, hidden_ptr + row * hidden_size)
     for start in range(0, hidden_size, BLOCK_HIDDEN):
         cols = start + tl.arange(0, BLOCK_HIDDEN)
-        inside = cols < hidden_size
-        values = tl.load(source + cols, mask=inside)
-        tl.store(hidden_out + row * hidden_size + cols, values, mask=inside)
+        in_hidden = cols < hidden_size
+        values = tl.load(source + cols, mask=in_hidden)
+        tl.store(hidden_out + row * hidden_size + cols, values, mask=in_hidden)
 
 
 @triton.jit
@@ -143,11 +143,11 @@ def _coda_kernel(
     tl.store(record + 5, tl.load(logprobs_ptr + row))
     if TOP > 0:
         top = tl.arange(0, BLOCK_TOP)
-        inside = top < TOP
-        top_ids = tl.load(top_ids_ptr + row * stride_ids + top, mask=inside)
-        tl.store(record + 6 + top, top_ids.to(tl.float32), mask=inside)
-        top_logprobs = tl.load(top_logprobs_ptr + row * stride_top + top, mask=inside)
-        tl.store(record + 6 + TOP + top, top_logprobs, mask=inside)
+        in_top = top < TOP
+        top_ids = tl.load(top_ids_ptr + row * stride_ids + top, mask=in_top)
+        tl.store(record + 6 + top, top_ids.to(tl.float32), mask=in_top)
+        top_logprobs = tl.load(top_logprobs_ptr + row * stride_top + top, mask=in_top)
+        tl.store(record + 6 + TOP + top, top_logprobs, mask=in_top)
     # copy-on-exit slots (KVLayout.copy_on_exit_target), from the position before the update
     position = tl.load(position_ptr + row)
     if COPIES:
@@ -178,9 +178,9 @@ def _coda_kernel(
     if ran:
         for start in range(0, hidden_size, BLOCK_HIDDEN):
             cols = start + tl.arange(0, BLOCK_HIDDEN)
-            inside = cols < hidden_size
-            values = tl.load(out_ptr + row * stride_out + cols, mask=inside)
-            tl.store(hidden_ptr + row * hidden_size + cols, values, mask=inside)
+            in_hidden = cols < hidden_size
+            values = tl.load(out_ptr + row * stride_out + cols, mask=in_hidden)
+            tl.store(hidden_ptr + row * hidden_size + cols, values, mask=in_hidden)
 
 
 class SlotState(Protocol):

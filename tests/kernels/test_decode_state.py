@@ -26,6 +26,7 @@ from loopserve.depth import policy
 from loopserve.depth.policy import Scheduling, SlotRule
 from loopserve.kernels import decode_state
 from loopserve.kv.layout import KVLayout
+from loopserve.kv.pages import NULL_PAGE
 from loopserve.kv.storage import KVStorage
 from loopserve.models.loader import dummy_model
 from loopserve.models.ouro import OuroForCausalLM
@@ -110,7 +111,7 @@ def _randomise(step: DecodeStep, generator: torch.Generator, kind: SamplingKind)
     put(step.stop_next, ints(0, 1))
     put(step.active, ints(0, 5) > 0)
     put(step.waiting, ints(0, 3) == 0)
-    put(step.position, ints(0, PAGES * BLOCK - 1))
+    put(step.position, ints(0, PAGES * BLOCK - 1 - STEPS))  # room for STEPS exits
     put(step.token, ints(0, step.vocab_size - 1))
     count = ints(0, TRACE_WIDTH + 2)
     put(step.output_count, count)
@@ -216,7 +217,12 @@ def check_fused_matches_torch(
             names, pair.reference.state_tensors(), pair.fused.state_tensors(), strict=True
         ):
             _assert_bitwise(f"{name}, step {step}", want, got)
-        _assert_bitwise(f"KV cache, step {step}", pair.reference.kv.cache, pair.fused.kv.cache)
+        # Every page but the null page, which collects the writes of rows that do not run and
+        # of copies nobody needs: many slots land on it in one index_put, in no fixed order on
+        # a GPU, and nothing reads it.
+        real = torch.arange(pair.reference.kv.num_pages, device=device) != NULL_PAGE
+        want, got = pair.reference.kv.cache[:, :, real], pair.fused.kv.cache[:, :, real]
+        _assert_bitwise(f"KV cache, step {step}", want, got)
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
