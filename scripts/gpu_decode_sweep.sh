@@ -39,17 +39,8 @@ SWEEP_LOG="$OUT/decode_sweep.log"
 SWEEP_JSONL="$OUT/decode_sweep.jsonl"
 TABLES="$OUT/decode_sweep_tables.txt"
 rm -f "$SWEEP_JSONL" "$OUT/decode_sweep_summary.json" "$TABLES"
-status=0
-
-step() {  # step NAME LOG TIMEOUT COMMAND...: run, append to LOG, remember a failure
-  local name="$1" log="$2" limit="$3"
-  shift 3
-  echo "== $name ($(date -u +%H:%M:%S), timeout ${limit}s)" | tee -a "$log"
-  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
-  local rc="${PIPESTATUS[0]}"
-  echo "== $name: exit $rc" | tee -a "$log"
-  if [ "$rc" -ne 0 ]; then status=1; fi
-}
+# shellcheck source=scripts/lib/step.sh
+. "$(dirname "$0")/lib/step.sh"
 
 {
   echo "== environment"

@@ -56,22 +56,14 @@ OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/flashinfer.log"
 : >"$LOG"
 rm -f "$OUT/attention_table.jsonl"
-status=0
 SITE="${SITE:-$(mktemp -d /tmp/flashinfer-site.XXXX)}"
 mkdir -p "$SITE"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
-step() {  # step NAME TIMEOUT COMMAND...: run, append to the log, remember a failure
-  local name="$1" limit="$2"
-  shift 2
-  echo "== $name ($(date -u +%H:%M:%S), timeout ${limit}s)" | tee -a "$LOG"
-  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc="${PIPESTATUS[0]}"
-  echo "== $name: exit $rc" | tee -a "$LOG"
-  if [ "$rc" -ne 0 ]; then status=1; fi
-}
+# shellcheck source=scripts/lib/step.sh
+. "$(dirname "$0")/lib/step.sh"
 
 # The install, as one command for `step` (a bundle of the trimmed wheel tree + the tvm-ffi wheel).
 export BUNDLE SITE PYTHON
@@ -94,7 +86,8 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
   nvcc --version | tail -1 || true
 } 2>&1 | tee -a "$LOG"
 
-if wants install; then step "install the FlashInfer bundle into $SITE" "${INSTALL_TIMEOUT:-60}" \
+if wants install; then step "install the FlashInfer bundle into $SITE" "$LOG" \
+  "${INSTALL_TIMEOUT:-60}" \
   bash -c "$INSTALL"; fi
 
 prebuild_pid=""
@@ -109,7 +102,7 @@ if wants prebuild; then
 fi
 
 # shellcheck disable=SC2086  # TRITON_TESTS is a list of paths
-if wants triton; then step "pytest -m gpu $TRITON_TESTS (Triton)" "${TRITON_TIMEOUT:-150}" \
+if wants triton; then step "pytest -m gpu $TRITON_TESTS (Triton)" "$LOG" "${TRITON_TIMEOUT:-150}" \
   env PYTHONPATH="$PWD" "$PYTHON" -m pytest -m gpu $TRITON_TESTS -q -rs --durations=5 \
   -p no:cacheprovider; fi
 
@@ -128,16 +121,16 @@ if [ -n "$prebuild_pid" ]; then
 fi
 
 if wants kernels; then step "pytest -m gpu tests/kernels/test_flashinfer_gpu.py -k '$KERNELS_FILTER'" \
-  "${KERNELS_TIMEOUT:-240}" "$PYTHON" -m pytest -m gpu tests/kernels/test_flashinfer_gpu.py -q \
+  "$LOG" "${KERNELS_TIMEOUT:-240}" "$PYTHON" -m pytest -m gpu tests/kernels/test_flashinfer_gpu.py -q \
   -k "$KERNELS_FILTER" -rs --durations=10 -p no:cacheprovider; fi
 
 # shellcheck disable=SC2086  # ENGINE_TESTS is a list of paths
-if wants engine; then step "pytest -m gpu $ENGINE_TESTS -k '$ENGINE_FILTER'" \
+if wants engine; then step "pytest -m gpu $ENGINE_TESTS -k '$ENGINE_FILTER'" "$LOG" \
   "${ENGINE_TIMEOUT:-200}" "$PYTHON" -m pytest -m gpu $ENGINE_TESTS -k "$ENGINE_FILTER" -q -s \
   -rs --durations=10 -p no:cacheprovider; fi
 
 # shellcheck disable=SC2086  # TABLE_ARGS is a list of flags
-if wants table; then step "python -m loopserve.bench.attention_table $TABLE_ARGS" \
+if wants table; then step "python -m loopserve.bench.attention_table $TABLE_ARGS" "$LOG" \
   "${TABLE_TIMEOUT:-90}" "$PYTHON" -m loopserve.bench.attention_table $TABLE_ARGS \
   --out "$OUT/attention_table.jsonl" --markdown "$OUT/attention_table.md"; fi
 

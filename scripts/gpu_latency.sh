@@ -32,42 +32,34 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/latency.log"
 : >"$LOG"
-status=0
 
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
-step() {  # step NAME TIMEOUT COMMAND...: run, append to the log, remember a failure
-  local name="$1" limit="$2"
-  shift 2
-  echo "== $name ($(date -u +%H:%M:%S), timeout ${limit}s)" | tee -a "$LOG"
-  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc="${PIPESTATUS[0]}"
-  echo "== $name: exit $rc" | tee -a "$LOG"
-  if [ "$rc" -ne 0 ]; then status=1; fi
-}
+# shellcheck source=scripts/lib/step.sh
+. "$(dirname "$0")/lib/step.sh"
 
 echo "== git $(git rev-parse --short HEAD 2>/dev/null || echo unknown), baseline" \
   "$(git -C "$BASELINE" rev-parse --short HEAD 2>/dev/null || echo unknown); parts: $PARTS" \
   | tee -a "$LOG"
 
 # shellcheck disable=SC2086  # TESTS is a list of paths
-if wants tests; then step "pytest $TESTS" "${TESTS_TIMEOUT:-300}" \
+if wants tests; then step "pytest $TESTS" "$LOG" "${TESTS_TIMEOUT:-300}" \
   env PYTHONPATH="$PWD" "$PYTHON" -m pytest -m "gpu or not gpu" $TESTS -q -rs --durations=5 \
   -p no:cacheprovider; fi
 
 if wants budget; then
   for phase in ${BUDGET_PHASES:-A1:$BASELINE B1:$PWD B2:$PWD A2:$BASELINE}; do
     name="${phase%%:*}" tree="${phase#*:}"
-    step "step_budget $name ($tree)" "${BUDGET_TIMEOUT:-90}" bash -c "cd '$tree' &&
+    step "step_budget $name ($tree)" "$LOG" "${BUDGET_TIMEOUT:-90}" bash -c "cd '$tree' &&
       PYTHONPATH='$tree' '$PYTHON' -m loopserve.bench.step_budget --concurrency $BUDGET_C \
       --out '$OUT/budget-$name.jsonl'"
   done
 fi
 
-if wants ab; then step "gpu_ab.sh $AB_ARGS" "${AB_TIMEOUT:-400}" env OUT="$OUT/ab" \
+if wants ab; then step "gpu_ab.sh $AB_ARGS" "$LOG" "${AB_TIMEOUT:-400}" env OUT="$OUT/ab" \
   BASELINE="$BASELINE" BENCH_ARGS="$AB_ARGS" bash scripts/gpu_ab.sh; fi
 
-if wants ttft; then step "gpu_ab.sh $TTFT_ARGS" "${TTFT_TIMEOUT:-200}" env OUT="$OUT/ttft" \
+if wants ttft; then step "gpu_ab.sh $TTFT_ARGS" "$LOG" "${TTFT_TIMEOUT:-200}" env OUT="$OUT/ttft" \
   BASELINE="$BASELINE" BENCH_ARGS="$TTFT_ARGS" bash scripts/gpu_ab.sh; fi
 
 echo "== done: exit $status ($(date -u +%H:%M:%S))" | tee -a "$LOG"
