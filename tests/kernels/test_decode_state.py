@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from loopserve.attention.base import AttentionBackend, AttentionSpec
+from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.config import SchedulerConfig
@@ -34,6 +35,8 @@ from loopserve.models.ouro_config import preset_config
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep, SamplingKind
+from tests import fake_flashinfer
+from tests.kernels.conftest import ON_GPU
 
 SLOTS, ROWS, PAGES, BLOCK, TRACE_WIDTH, STEPS = 12, 8, 6, 4, 5, 4
 GREEDY = SamplingKind(all_greedy=True, needs_filter=False, any_logprobs=False, num_logprobs=0)
@@ -48,7 +51,12 @@ class Pair:
 
 
 def _pair(
-    device: torch.device, dtype: torch.dtype, layout: KVLayout, scheduling: Scheduling, seed: int
+    device: torch.device,
+    dtype: torch.dtype,
+    layout: KVLayout,
+    scheduling: Scheduling,
+    seed: int,
+    backend_class: type[AttentionBackend] | None = None,
 ) -> Pair:
     config = preset_config("tiny", {"head_dim": 32, "num_attention_heads": 2})
     model = dummy_model(config, dtype, device, seed=seed)
@@ -63,9 +71,9 @@ def _pair(
         block_size=BLOCK,
         cuda_graphs=device.type == "cuda",
     )
-    backend: AttentionBackend = (
-        TritonAttentionBackend(spec) if device.type == "cuda" else TorchAttentionBackend(spec)
-    )
+    if backend_class is None:
+        backend_class = TritonAttentionBackend if device.type == "cuda" else TorchAttentionBackend
+    backend = backend_class(spec)
     scheduler = replace(SchedulerConfig(), max_num_seqs=SLOTS, kv_layout=layout)
     scheduler = replace(scheduler, scheduling=scheduling, block_size=BLOCK)
     planes = config.num_loops
@@ -198,10 +206,11 @@ def check_fused_matches_torch(
     kind: SamplingKind,
     seed: int,
     graphed: bool = False,
+    backend_class: type[AttentionBackend] | None = None,
 ) -> None:
     """STEPS steps of both paths from one random state; `graphed`: the fused one by replaying
     CUDA graphs (a bucket of exactly ROWS rows)."""
-    pair = _pair(device, dtype, layout, scheduling, seed)
+    pair = _pair(device, dtype, layout, scheduling, seed, backend_class)
     generator = torch.Generator().manual_seed(seed)
     _randomise(pair.reference, generator, kind)
     _on_the_boundary(pair, kind, generator)
@@ -233,6 +242,23 @@ def test_fused_step_is_the_torch_step_bitwise(
 ) -> None:
     for seed in range(2):
         check_fused_matches_torch(device, torch.float32, layout, scheduling, kind, seed)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the stand-in flashinfer runs on the CPU")
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_flashinfer_reads_the_fused_metadata_as_the_torch_one(
+    layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FlashInfer FA2 backend's glue (page lists, plans from device lengths; the stand-in
+    module of tests/fake_flashinfer.py computes from exactly what the real kernels read) gives the
+    same steps from the prologue's metadata as from the torch path's."""
+    fake_flashinfer.install(monkeypatch)
+    cpu = torch.device("cpu")
+    for seed in range(2):
+        check_fused_matches_torch(
+            cpu, torch.float32, layout, Scheduling.REFILL, GREEDY, seed,
+            backend_class=FlashInferFA2Backend,
+        )  # fmt: skip
 
 
 @pytest.mark.gpu
