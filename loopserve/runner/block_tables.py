@@ -114,8 +114,8 @@ class BlockTables:
         width = pages_for(max_seq_len, self.block_size)
         page_table = self.tables[slots, plane, :width]  # [S, width]
         return AttentionMetadata(
-            query_start=torch.tensor(query_start_host, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens_host, dtype=torch.int32, device=self.device),
+            query_start=to_device(query_start_host, torch.int32, self.device),
+            seq_lens=to_device(seq_lens_host, torch.int32, self.device),
             page_table=page_table,
             slot_mapping=self.flat_slots(page_table, sequence_of_token, positions),
             max_query_len=max(b - a for a, b in pairwise(query_start_host)),

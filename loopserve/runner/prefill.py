@@ -17,6 +17,7 @@ from loopserve.attention.paged import PagedAttention
 from loopserve.engine.scheduler_output import PrefillChunk, SampledToken
 from loopserve.kv.layout import KVLayout
 from loopserve.kv.storage import KVStorage
+from loopserve.kv.transfer import to_device
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.runner.block_tables import BlockTables
@@ -93,7 +94,7 @@ class PromptRunner:
         return PagedAttention(self.backend, self.kv, metadata)
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return to_device(values, torch.int64, self.device)
 
 
 def sampled_tokens(result: SampleResult, batch: SamplingBatch) -> list[SampledToken]:

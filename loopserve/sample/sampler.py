@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.kv.transfer import to_device
 from loopserve.sample.noise import gumbel_noise
 from loopserve.sampling_params import SamplingInfo, SamplingParams
 
@@ -56,15 +57,15 @@ class SamplingBatch:
         params = [info.params for info in infos]
         top_k = [effective_top_k(p, vocab_size) for p in params]
         return cls(
-            temperature=torch.tensor([effective_temperature(p) for p in params], device=device),
-            greedy=torch.tensor([p.greedy for p in params], device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            min_p=torch.tensor([p.min_p for p in params], device=device),
-            seeds=torch.tensor([i.seed for i in infos], dtype=torch.int64, device=device),
-            counters=torch.tensor(
-                [i.output_index for i in infos], dtype=torch.int64, device=device
+            temperature=to_device(
+                [effective_temperature(p) for p in params], torch.float32, device
             ),
+            greedy=to_device([p.greedy for p in params], torch.bool, device),
+            top_k=to_device(top_k, torch.int64, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            min_p=to_device([p.min_p for p in params], torch.float32, device),
+            seeds=to_device([i.seed for i in infos], torch.int64, device),
+            counters=to_device([i.output_index for i in infos], torch.int64, device),
             needs_filter=any(needs_filter(p, vocab_size) for p in params),
             all_greedy=all(p.greedy for p in params),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
