@@ -46,6 +46,8 @@ class AttentionBackend(ABC):
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
     supports_cuda_graphs: ClassVar[bool] = False
     supports_packed_prefill: ClassVar[bool] = True
+    # Takes padded prompt passes (kv/metadata.py) whose launches a CUDA graph can replay.
+    supports_prompt_graphs: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

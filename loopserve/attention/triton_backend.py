@@ -50,6 +50,7 @@ class _Plan:
     num_split_programs: int  # from the row count only (DecodeSchedule)
     prefill_tiles: torch.Tensor | None  # [tiles, 2] int32 (sequence, first query); None if none
     num_query_tokens: int | None  # query_start_host[-1]; None on the decode-only path
+    padded: bool  # a padded prompt pass: the output is zeroed first (tokens of no sequence)
 
 
 class TritonAttentionBackend(OutBufferBackend):
@@ -64,6 +65,7 @@ class TritonAttentionBackend(OutBufferBackend):
     min_compute_capability = (8, 0)  # bf16 tensor-core dots
     supports_cuda_graphs = True
     supports_packed_prefill = True
+    supports_prompt_graphs = True
 
     def __init__(
         self,
@@ -83,6 +85,8 @@ class TritonAttentionBackend(OutBufferBackend):
         self.decode_schedule = decode_schedule or DecodeSchedule()
         self.prefill_tiling = PrefillTiling.for_shape(spec.head_size, spec.dtype)
         self._plan: _Plan | None = None
+        # Padded passes' tile maps, one static buffer per capacity (a prompt graph reads it).
+        self._static_tiles: dict[int, torch.Tensor] = {}
         self._workspaces = _DecodeWorkspacePool(
             spec.num_heads, spec.head_size, self.decode_tiling.max_partitions
         )
@@ -126,15 +130,21 @@ class TritonAttentionBackend(OutBufferBackend):
         )
         self._workspaces.reserve(rows, partitions, device)
         splits = self.decode_split_programs(metadata)
-        if metadata.is_decode:
-            self._plan = _Plan(metadata, True, True, splits, None, None)
+        if metadata.is_decode and not metadata.padded:
+            self._plan = _Plan(metadata, True, True, splits, None, None, False)
             return
         starts, seq_lens = metadata.query_start_host, metadata.seq_lens_host
         if starts is None or seq_lens is None:
             raise ValueError("a pass with prompt chunks needs the host query starts and lengths")
         has_decode_rows = any(starts[i + 1] - starts[i] == 1 for i in range(len(starts) - 1))
+        if metadata.padded:
+            if has_decode_rows:
+                raise ValueError("a padded prompt pass cannot hold chunks of one token")
+            tiles = self._padded_tiles(metadata, starts, seq_lens)
+            self._plan = _Plan(metadata, False, False, splits, tiles, None, True)
+            return
         tiles = self._prefill_tiles(starts, seq_lens, device)
-        self._plan = _Plan(metadata, False, has_decode_rows, splits, tiles, starts[-1])
+        self._plan = _Plan(metadata, False, has_decode_rows, splits, tiles, starts[-1], False)
 
     def _prefill_tiles(
         self, starts: list[int], seq_lens: list[int], device: torch.device
@@ -144,6 +154,23 @@ class TritonAttentionBackend(OutBufferBackend):
 
         tiles = build_tile_map(starts, seq_lens, self.prefill_tiling.block_m)
         return to_device(tiles, torch.int32, device).reshape(-1, 2)
+
+    def _padded_tiles(
+        self, metadata: AttentionMetadata, starts: list[int], seq_lens: list[int]
+    ) -> torch.Tensor:
+        """The static tile buffer of the pass's capacity, refilled with this pass's map."""
+        from loopserve.kernels.paged_prefill import padded_tile_map, tile_capacity
+
+        block_m = self.prefill_tiling.block_m
+        capacity = tile_capacity(metadata.slot_mapping.shape[0], metadata.num_sequences, block_m)
+        device = metadata.seq_lens.device
+        buffer = self._static_tiles.get(capacity)
+        if buffer is None:
+            buffer = torch.empty((capacity, 2), dtype=torch.int32, device=device)
+            self._static_tiles[capacity] = buffer
+        tiles = padded_tile_map(starts, seq_lens, block_m, capacity)
+        buffer.copy_(to_device(tiles, torch.int32, device).reshape(-1, 2))
+        return buffer
 
     def forward_into(
         self,
@@ -165,6 +192,8 @@ class TritonAttentionBackend(OutBufferBackend):
         plan = self._plan
         assert plan is not None
         key_cache, value_cache = kv.key_cache(layer), kv.value_cache(layer)
+        if plan.padded:
+            out.zero_()
         if plan.decode_only and q.shape[0] != metadata.seq_lens.shape[0]:
             raise ValueError(
                 f"decode pass with {q.shape[0]} tokens for {metadata.num_sequences} rows"

@@ -64,6 +64,28 @@ def build_tile_map(
     return [(sequence, first) for _, sequence, first in tiles]
 
 
+# A tile of no sequence: its programs return at once (fills a padded pass's fixed-size map).
+PADDING_TILE = (-1, 0)
+
+
+def tile_capacity(num_tokens: int, num_sequences: int, block_m: int) -> int:
+    """The most tiles `build_tile_map` gives for any split of `num_tokens` query tokens into at
+    most `num_sequences` sequences: each sequence's ceil(len / block_m) is at most
+    floor(len / block_m) + 1."""
+    return num_tokens // block_m + num_sequences
+
+
+def padded_tile_map(
+    query_start: list[int], seq_lens: list[int], block_m: int, capacity: int
+) -> list[tuple[int, int]]:
+    """`build_tile_map` filled up to `capacity` tiles with `PADDING_TILE` (the grid of a prefill
+    launch replayed from a CUDA graph is fixed; the map in its static buffer changes)."""
+    tiles = build_tile_map(query_start, seq_lens, block_m)
+    if len(tiles) > capacity:
+        raise ValueError(f"{len(tiles)} prefill tiles do not fit a map of {capacity}")
+    return tiles + [PADDING_TILE] * (capacity - len(tiles))
+
+
 @triton.jit
 def _attend_tiles(
     running_max,  # [BLOCK_M] fp32
@@ -140,6 +162,8 @@ def _prefill_kernel(
 ):
     head = tl.program_id(1)
     sequence = tl.load(tiles_ptr + 2 * tl.program_id(0))
+    if sequence < 0:  # PADDING_TILE
+        return
     first = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
     q_begin = tl.load(query_start_ptr + sequence)
     query_len = tl.load(query_start_ptr + sequence + 1) - q_begin

@@ -10,6 +10,12 @@ Query token i of sequence s sits at position `seq_lens[s] - query_len(s) + i` an
 to positions <= its own. Each sequence reads pages `page_table[s, :ceil(seq_lens[s] / block)]` of
 the plane the runner chose for it; the rest of the row is the null page. Padding rows have
 query_len 1, seq_len 0 and write into the null page.
+
+A *padded* prompt pass (`padded=True`, the static buffers of a prompt CUDA graph) has tensors sized
+for more than it holds: sequences past the last real one have query length 0, tokens past
+`query_start[-1]` belong to no sequence, write into the null page and get a zero output, and rows
+of `page_table` past the last real sequence are not read. Only backends that declare
+`supports_prompt_graphs` are handed one.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class AttentionMetadata:
     # support CUDA graphs must not need them for decode passes.
     query_start_host: list[int] | None
     seq_lens_host: list[int] | None
+    padded: bool = False
 
     @property
     def num_sequences(self) -> int:

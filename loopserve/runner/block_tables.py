@@ -10,6 +10,7 @@ metadata's device tensors have a Triton twin in the CUDA decode step's prologue
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -18,6 +19,26 @@ from loopserve.engine.scheduler_output import PageTableUpdate
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE, pages_for
 from loopserve.kv.transfer import to_device
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPass:
+    """One loop of a step's prompt chunks: what its attention metadata is built from."""
+
+    slots: torch.Tensor  # [S] int64: each sequence's request slot
+    plane: int  # the plane every sequence reads and writes in this loop
+    positions: torch.Tensor  # [T] int64: each query token's position
+    sequence_of_token: torch.Tensor  # [T] int64: which sequence each query token belongs to
+    query_start: list[int]  # [S + 1] cumulative query lengths
+    seq_lens: list[int]  # [S] context length after this pass's writes
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [b - a for a, b in pairwise(self.query_start)]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
 
 
 class BlockTables:
@@ -100,28 +121,77 @@ class BlockTables:
             seq_lens_host=host,
         )
 
-    def prefill_metadata(
-        self,
-        slots: torch.Tensor,  # [S] int64
-        plane: int,
-        positions: torch.Tensor,  # [T] int64
-        sequence_of_token: torch.Tensor,  # [T] int64: which sequence each query token belongs to
-        query_start_host: list[int],
-        seq_lens_host: list[int],
-    ) -> AttentionMetadata:
+    def prefill_metadata(self, prompt: PromptPass) -> AttentionMetadata:
         """Packed chunks of S sequences, all reading and writing one plane."""
-        max_seq_len = max(seq_lens_host)
+        max_seq_len = max(prompt.seq_lens)
         width = pages_for(max_seq_len, self.block_size)
-        page_table = self.tables[slots, plane, :width]  # [S, width]
+        page_table = self.tables[prompt.slots, prompt.plane, :width]  # [S, width]
         return AttentionMetadata(
-            query_start=to_device(query_start_host, torch.int32, self.device),
-            seq_lens=to_device(seq_lens_host, torch.int32, self.device),
+            query_start=to_device(prompt.query_start, torch.int32, self.device),
+            seq_lens=to_device(prompt.seq_lens, torch.int32, self.device),
             page_table=page_table,
-            slot_mapping=self.flat_slots(page_table, sequence_of_token, positions),
-            max_query_len=max(b - a for a, b in pairwise(query_start_host)),
+            slot_mapping=self.flat_slots(page_table, prompt.sequence_of_token, prompt.positions),
+            max_query_len=prompt.max_query_len,
             max_seq_len=max_seq_len,
-            query_start_host=query_start_host,
-            seq_lens_host=seq_lens_host,
+            query_start_host=prompt.query_start,
+            seq_lens_host=prompt.seq_lens,
+        )
+
+    def static_prefill_metadata(self, max_sequences: int, max_tokens: int) -> AttentionMetadata:
+        """Buffers for `padded_prefill_metadata` (whole page-table rows), to be filled by it."""
+        device, pages = self.device, self.tables.shape[2]
+        return AttentionMetadata(
+            query_start=torch.zeros(max_sequences + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(max_sequences, dtype=torch.int32, device=device),
+            page_table=torch.full(
+                (max_sequences, pages), NULL_PAGE, dtype=torch.int32, device=device
+            ),
+            slot_mapping=torch.full(
+                (max_tokens,), NULL_PAGE * self.block_size, dtype=torch.int64, device=device
+            ),
+            max_query_len=0,
+            max_seq_len=0,
+            query_start_host=None,
+            seq_lens_host=None,
+            padded=True,
+        )
+
+    def padded_prefill_metadata(
+        self, prompt: PromptPass, static: AttentionMetadata
+    ) -> AttentionMetadata:
+        """`prefill_metadata` written into the tensors of `static` (a prompt CUDA graph's
+        buffers: room for more sequences and tokens, whole page-table rows) as a padded pass
+        (kv/metadata.py): sequences past the real ones are empty, tokens past them write into
+        the null page."""
+        sequences, tokens = len(prompt.seq_lens), prompt.positions.shape[0]
+        padding = static.num_sequences - sequences
+        if padding < 0 or tokens > static.slot_mapping.shape[0]:
+            raise ValueError(
+                f"a prompt pass of {sequences} sequences and {tokens} tokens does not fit buffers "
+                f"for {static.num_sequences} and {static.slot_mapping.shape[0]}"
+            )
+        lengths = to_device(
+            [*prompt.query_start, *[tokens] * padding, *prompt.seq_lens, *[0] * padding],
+            torch.int32,
+            self.device,
+        )
+        static.query_start.copy_(lengths[: sequences + padding + 1])
+        static.seq_lens.copy_(lengths[sequences + padding + 1 :])
+        page_table = static.page_table[:sequences]
+        page_table.copy_(self.tables[prompt.slots, prompt.plane])
+        slot_mapping = self.flat_slots(page_table, prompt.sequence_of_token, prompt.positions)
+        static.slot_mapping[:tokens].copy_(slot_mapping)
+        static.slot_mapping[tokens:].fill_(NULL_PAGE * self.block_size)
+        return AttentionMetadata(
+            query_start=static.query_start,
+            seq_lens=static.seq_lens,
+            page_table=static.page_table,
+            slot_mapping=static.slot_mapping,
+            max_query_len=prompt.max_query_len,
+            max_seq_len=max(prompt.seq_lens),
+            query_start_host=prompt.query_start,
+            seq_lens_host=prompt.seq_lens,
+            padded=True,
         )
 
     def flat_slots(

@@ -1,7 +1,8 @@
 """Prompt chunks through every loop: packed causal attention over paged K/V, then the first token.
 
 Owns: running a step's prompt chunks (one packed pass per loop, each loop d writing and reading
-plane d - 1 as `kv.layout` says) and sampling the first output token of the chunks that complete a
+plane d - 1 as `kv.layout` says; a CUDA graph replay per loop where `prompt_graphs` has one that
+fits) and sampling the first output token of the chunks that complete a
 prompt. Must not: schedule anything; it runs exactly the chunks it is given.
 """
 
@@ -20,7 +21,8 @@ from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.outputs import TokenLogprobs
-from loopserve.runner.block_tables import BlockTables
+from loopserve.runner.block_tables import BlockTables, PromptPass
+from loopserve.runner.prompt_graphs import GraphedPromptLoop
 from loopserve.sample.sampler import SampleResult, SamplingBatch, sample
 
 
@@ -31,11 +33,13 @@ class PromptRunner:
         kv: KVStorage,
         backend: AttentionBackend,
         block_tables: BlockTables,
+        graphs: GraphedPromptLoop | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.backend = backend
         self.block_tables = block_tables
+        self.graphs = graphs
         self.device = block_tables.device
 
     def run(self, chunks: list[PrefillChunk]) -> list[SampledToken | None]:
@@ -50,16 +54,14 @@ class PromptRunner:
         for loop in range(1, max(chunk.num_loops for chunk in chunks) + 1):
             # The chunks still running (requests with fewer loops are done).
             active = [index for index, chunk in enumerate(chunks) if chunk.num_loops >= loop]
-            tokens = None  # [T'] their rows of the packed tokens; None: every row
-            if len(active) < len(chunks):
-                tokens = self._long([t for i in active for t in range(*query_start[i : i + 2])])
-            attention = self._attention(chunks, active, loop, positions, tokens)
-            if tokens is None:
-                hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
-            else:
-                context = LoopContext(cos[tokens], sin[tokens], attention)
-                hidden = hidden.clone()
-                hidden[tokens] = self.model.run_loop(hidden[tokens], context)
+            if len(active) == len(chunks):
+                prompt = self._pass(chunks, active, loop, positions)
+                hidden = self._run_loop(hidden, cos, sin, prompt)
+                continue
+            tokens = self._long([t for i in active for t in range(*query_start[i : i + 2])])
+            prompt = self._pass(chunks, active, loop, positions[tokens])
+            hidden = hidden.clone()
+            hidden[tokens] = self._run_loop(hidden[tokens], cos[tokens], sin[tokens], prompt)
         finishing = [index for index, chunk in enumerate(chunks) if chunk.completes_prompt]
         results: list[SampledToken | None] = [None] * len(chunks)
         if finishing:
@@ -73,25 +75,33 @@ class PromptRunner:
                 results[row] = token
         return results
 
-    def _attention(
+    def _pass(
         self,
         chunks: list[PrefillChunk],
         active: list[int],
         loop: int,
-        positions: torch.Tensor,  # [T] int64, every chunk's tokens
-        tokens: torch.Tensor | None,
-    ) -> PagedAttention:
-        """Attention of one loop over the chunks in `active`, in the plane that loop uses."""
+        positions: torch.Tensor,  # [T'] int64, the active chunks' tokens
+    ) -> PromptPass:
+        """One loop of the chunks in `active`, in the plane that loop uses."""
         lengths = [len(chunks[i].token_ids) for i in active]
-        metadata = self.block_tables.prefill_metadata(
-            self._long([chunks[i].slot for i in active]),
-            KVLayout.prompt_plane(loop),
-            positions if tokens is None else positions[tokens],
-            self._long([s for s, n in enumerate(lengths) for _ in range(n)]),
-            [0, *accumulate(lengths)],
-            [chunks[i].start + len(chunks[i].token_ids) for i in active],
+        return PromptPass(
+            slots=self._long([chunks[i].slot for i in active]),
+            plane=KVLayout.prompt_plane(loop),
+            positions=positions,
+            sequence_of_token=self._long([s for s, n in enumerate(lengths) for _ in range(n)]),
+            query_start=[0, *accumulate(lengths)],
+            seq_lens=[chunks[i].start + len(chunks[i].token_ids) for i in active],
         )
-        return PagedAttention(self.backend, self.kv, metadata)
+
+    def _run_loop(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prompt: PromptPass
+    ) -> torch.Tensor:
+        """One loop over the pass's tokens: a graph replay where one fits."""
+        if self.graphs is not None and self.graphs.fits(prompt):
+            return self.graphs.run(hidden, cos, sin, prompt)
+        metadata = self.block_tables.prefill_metadata(prompt)
+        attention = PagedAttention(self.backend, self.kv, metadata)
+        return self.model.run_loop(hidden, LoopContext(cos, sin, attention))
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)

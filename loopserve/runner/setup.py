@@ -34,6 +34,7 @@ from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep
 from loopserve.runner.kv_budget import num_kv_pages, resolve_max_model_len
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.prefill import PromptRunner
+from loopserve.runner.prompt_graphs import GraphedPromptLoop
 from loopserve.runner.swap import HostSwap
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,12 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
     )
     logger.info("runner: %s", info)
     graphs = GraphedDecodeStep(decode, scheduler.max_num_seqs) if choice.cuda_graphs else None
-    prompts = PromptRunner(model, kv, backend, tables)
+    prompt_graphs = None
+    if choice.cuda_graphs and backend.supports_prompt_graphs:
+        prompt_graphs = GraphedPromptLoop(
+            model, kv, backend, tables, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+        )
+    prompts = PromptRunner(model, kv, backend, tables, prompt_graphs)
     preempts = scheduler.kv_allocation is KVAllocation.INCREMENTAL
     swap = HostSwap(kv, int(config.swap_space_gb * 2**30) if preempts else 0)
     return ModelRunner(model, tables, decode, prompts, swap, info, graphs)
