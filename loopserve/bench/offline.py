@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile-steps",
         metavar="START:COUNT",
         help="with --step-timeline: run COUNT steps (default 30) from step START of the first "
-        "trial that reaches it under torch.profiler; tables go to TIMELINE-profile.txt",
+        "trial that reaches it under torch.profiler; tables go to TIMELINE-profile.txt, the trace "
+        "to TIMELINE-profile.trace.json",
     )
 
 

@@ -42,7 +42,7 @@ DEVICE_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 @dataclass(frozen=True, slots=True)
 class ProfileWindow:
     """Steps [start, start + count) of the first trial that reaches `start` run under
-    torch.profiler; their summary tables go to `path`."""
+    torch.profiler; their summary tables go to `path`, their trace beside it (`.trace.json`)."""
 
     start: int
     count: int
@@ -122,6 +122,7 @@ class StepTimeline:
             sections.append(f"## sorted by {sort}\n{averages.table(sort_by=sort, row_limit=40)}")
         window.path.parent.mkdir(parents=True, exist_ok=True)
         window.path.write_text("\n\n".join(sections) + "\n")
+        profiler.export_chrome_trace(str(window.path.with_suffix(".trace.json")))
 
 
 class _TrialSteps:

@@ -11,8 +11,9 @@ This is the only decode path, on every device; the serial reference is held to i
 Where the layer ops are fused Triton kernels (CUDA; `fused_kernels`, set by the runner's setup),
 the bookkeeping around the loop runs as two launches, `kernels/decode_state.py`'s prologue and
 coda, twins of the torch code here, which stays the reference (tests/kernels/test_decode_state.py
-holds them bit for bit) and the path everywhere else. The model, the exit gate, the LM head,
-sampling and the K/V copy run as torch on both paths.
+holds them bit for bit) and the path everywhere else; the copy-on-exit then runs as one launch
+(`kernels/kv_copy.py`). The model, the exit gate, the LM head and sampling run as torch on both
+paths.
 """
 
 from __future__ import annotations
@@ -246,7 +247,9 @@ class DecodeStep:
         columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
         coda = kernels.coda(start, out, hazard, columns, width)
         if coda.copies is not None:
-            self.kv.copy_slots(*coda.copies)
+            from loopserve.kernels.kv_copy import copy_kv_slots
+
+            copy_kv_slots(self.kv, *coda.copies)  # `kv.copy_slots` in one launch
         return coda.record
 
     @property

@@ -3,10 +3,14 @@ any device and in any batch.
 
 Owns: a 32-bit integer hash evaluated with int64 tensor arithmetic that never overflows, and the
 uniform and Gumbel draws built on it. Must not: use a stateful torch.Generator (its stream would
-depend on which rows share a batch).
+depend on which rows share a batch). On CUDA the hash runs as its Triton twin
+(`kernels/noise.py`, held to `uniform_noise` bit for bit by tests/kernels/test_noise.py).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
@@ -42,5 +46,17 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel draws [R, V] fp32: argmax(logits + g) samples softmax(logits)."""
-    return -torch.log(-torch.log(uniform_noise(seeds, counters, vocab_size)))
+    """Standard Gumbel draws [R, V] fp32: argmax(logits + g) samples softmax(logits). On CUDA
+    with triton the uniform draws come from the hash's one-launch twin (the same bits)."""
+    if seeds.device.type == "cuda" and _has_triton():
+        from loopserve.kernels.noise import uniform_noise as fused_uniform_noise
+
+        uniform = fused_uniform_noise(seeds, counters, vocab_size)
+    else:
+        uniform = uniform_noise(seeds, counters, vocab_size)
+    return -torch.log(-torch.log(uniform))
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
