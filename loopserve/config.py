@@ -152,7 +152,9 @@ class EngineConfig:
     seed: int = setting(
         0, "seed of the engine (request seeds, dummy weights)", flag="--engine-seed"
     )
-    cuda_graphs: bool = setting(True, "CUDA: replay the decode step from CUDA graphs")
+    cuda_graphs: bool = setting(
+        True, "CUDA: replay the decode step and prompt loops from CUDA graphs"
+    )
     async_scheduling: bool = setting(True, "launch step n + 1 before reading step n's results back")
     fused_kernels: bool = setting(
         True, "CUDA: fused Triton kernels for norms, RoPE and SiLU (when triton is installed)"

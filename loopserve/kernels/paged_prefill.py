@@ -10,6 +10,9 @@ chunks' K/V already sit in its pages); query i sits at position `seq_len - query
 positions <= its own. A program handles BLOCK_M queries of one sequence and one query head:
 first the KV tiles wholly below its first query's position, without masks, then the tiles that
 reach the causal diagonal, masked. Results depend only on the sequence itself.
+
+A padded pass (a CUDA graph's fixed grid) fills its map up to `tile_capacity` with `PADDING_TILE`,
+whose programs return at once.
 """
 
 from __future__ import annotations
