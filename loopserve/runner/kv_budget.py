@@ -2,12 +2,13 @@
 
 Owns: the number of pages (explicit; on CPU from `kv_cache_memory_gb` or, by default, from the
 memory available; on CUDA this engine's `gpu_memory_utilization` share of the GPU, less the
-weights and the largest step's profiled activation peak, never more than is free), and
-`max_model_len` against that cache: by default the longest request whose worst-case reservation
-(every plane of its layout) fits, never above the model's `max_position_embeddings`, logged in one
-line; an explicit `max_model_len` that cannot fit is an error saying what to change. With an exact
-`num_kv_pages` (tests, experiments) the model's length stands and a request that cannot fit is
-refused when it is added. Must not: allocate the cache (the runner's setup does).
+weights and the largest step's profiled activation peak (twice with CUDA graphs), never more than
+is free), and `max_model_len` against that cache: by default the longest request whose
+worst-case reservation (every plane of its layout) fits, never above the model's
+`max_position_embeddings`, logged in one line; an explicit `max_model_len` that cannot fit is an
+error saying what to change. With an exact `num_kv_pages` (tests, experiments) the model's length
+stands and a request that cannot fit is refused when it is added. Must not: allocate the cache
+(the runner's setup does).
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ def num_kv_pages(
 def gpu_kv_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.device) -> int:
     """This engine's share of the GPU (`gpu_memory_utilization` of its memory, as in vLLM: a
     per-engine budget, so engines that share a GPU each take their own fraction) less the
-    weights, the step peak and a margin; never more than the GPU has free now."""
-    peak = profile_step_peak(model, config, device)
+    weights, the step peak and a margin; never more than the GPU has free now. With CUDA graphs
+    the step peak counts twice: prompt loops replayed from graphs keep their activations in the
+    graphs' own memory pool (runner/prompt_graphs.py), which eager steps cannot borrow."""
+    peak = profile_step_peak(model, config, device) * (2 if config.cuda_graphs else 1)
     torch.cuda.empty_cache()  # the profile's blocks: the free figure below must include them
     free, total = torch.cuda.mem_get_info(device)
     # This engine's own weights: other engines of the process (benchmarks keep two) have theirs.
@@ -94,7 +97,8 @@ def gpu_kv_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.de
     share = int(total * config.gpu_memory_utilization) - weights - peak - _GPU_MARGIN_BYTES
     fits = free - peak - _GPU_MARGIN_BYTES
     logger.info(
-        "GPU memory: %.1f GiB total, %.1f GiB free, weights %.2f GiB, step peak %.2f GiB, "
+        "GPU memory: %.1f GiB total, %.1f GiB free, weights %.2f GiB, step peak %.2f GiB "
+        "(held twice with CUDA graphs), "
         "KV budget %.1f GiB",
         total / 2**30, free / 2**30, weights / 2**30, peak / 2**30, min(share, fits) / 2**30,
     )  # fmt: skip

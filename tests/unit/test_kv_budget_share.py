@@ -22,13 +22,19 @@ def model() -> torch.nn.Module:
 
 
 def _budget(
-    monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, free_gib: float, utilization: float
+    monkeypatch: pytest.MonkeyPatch,
+    model: torch.nn.Module,
+    free_gib: float,
+    utilization: float,
+    cuda_graphs: bool = False,
 ) -> int:
     monkeypatch.setattr(kv_budget, "profile_step_peak", lambda *args: PEAK)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(free_gib * GIB), 100 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
-    config = EngineConfig.from_options(model="ouro-tiny", gpu_memory_utilization=utilization)
+    config = EngineConfig.from_options(
+        model="ouro-tiny", gpu_memory_utilization=utilization, cuda_graphs=cuda_graphs
+    )
     return kv_budget.gpu_kv_budget(config, model, torch.device("cuda"))  # type: ignore[arg-type]
 
 
@@ -54,3 +60,12 @@ def test_a_share_beyond_what_is_free_gets_what_is_free_and_says_so(
         budget = _budget(monkeypatch, model, 54.0, 0.9)
     assert budget == 54 * GIB - PEAK - MARGIN
     assert "only 51.0 GiB is free" in caplog.text
+
+
+def test_with_cuda_graphs_the_step_peak_is_held_twice(
+    monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module
+) -> None:
+    """Prompt-loop graphs keep their activations in their own pool, beside the eager ones."""
+    weights = 256 * 256 * 4 + 256 * 4
+    budget = _budget(monkeypatch, model, 99.0, 0.9, cuda_graphs=True)
+    assert budget == 90 * GIB - weights - 2 * PEAK - MARGIN
