@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from loopserve.attention.base import AttentionBackend, AttentionSpec
+from loopserve.attention.base import AttentionBackend
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
@@ -28,15 +28,12 @@ from loopserve.depth.policy import Scheduling, SlotRule
 from loopserve.kernels import decode_state
 from loopserve.kv.layout import KVLayout
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.kv.storage import KVStorage
-from loopserve.models.loader import dummy_model
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.ouro_config import preset_config
-from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep, SamplingKind
 from tests import fake_flashinfer
 from tests.kernels.conftest import ON_GPU
+from tests.kernels.tiny_setup import attention_spec, paged_kv, shuffled_pages, tiny_model
 
 SLOTS, ROWS, PAGES, BLOCK, TRACE_WIDTH, STEPS = 12, 8, 6, 4, 5, 4
 GREEDY = SamplingKind(all_greedy=True, needs_filter=False, any_logprobs=False, num_logprobs=0)
@@ -58,41 +55,17 @@ def _pair(
     seed: int,
     backend_class: type[AttentionBackend] | None = None,
 ) -> Pair:
-    config = preset_config("tiny", {"head_dim": 32, "num_attention_heads": 2})
-    model = dummy_model(config, dtype, device, seed=seed)
-    model.fuse_projections()
-    spec = AttentionSpec(
-        device_type=device.type,
-        compute_capability=torch.cuda.get_device_capability() if device.type == "cuda" else None,
-        dtype=dtype,
-        head_size=config.head_dim,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        block_size=BLOCK,
-        cuda_graphs=device.type == "cuda",
-    )
+    model = tiny_model(device, dtype, seed)
     if backend_class is None:
         backend_class = TritonAttentionBackend if device.type == "cuda" else TorchAttentionBackend
-    backend = backend_class(spec)
+    backend = backend_class(attention_spec(model, device, BLOCK))
     scheduler = replace(SchedulerConfig(), max_num_seqs=SLOTS, kv_layout=layout)
     scheduler = replace(scheduler, scheduling=scheduling, block_size=BLOCK)
-    planes = config.num_loops
     generator = torch.Generator().manual_seed(seed)
-    pages = (torch.randperm(SLOTS * planes * PAGES, generator=generator) + 1).int()
+    pages = shuffled_pages(SLOTS, model.config.num_loops, PAGES, generator)
     steps = []
     for fused in (False, True):
-        kv = KVStorage(
-            num_layers=config.num_hidden_layers,
-            num_pages=SLOTS * planes * PAGES + 1,
-            block_size=BLOCK,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
-        kv.cache.copy_(torch.randn(kv.cache.shape, generator=generator).to(dtype))
-        tables = BlockTables(SLOTS, planes, PAGES, BLOCK, device)
-        tables.tables.copy_(pages.view(SLOTS, planes, PAGES))
+        kv, tables = paged_kv(model, pages, BLOCK, device, generator)
         steps.append(DecodeStep(model, kv, backend, tables, scheduler, TRACE_WIDTH, fused))
     steps[1].kv.cache.copy_(steps[0].kv.cache)
     return Pair(steps[0], steps[1], model)

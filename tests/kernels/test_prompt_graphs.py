@@ -18,18 +18,15 @@ from itertools import accumulate
 import pytest
 import torch
 
-from loopserve.attention.base import AttentionSpec
 from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.engine.scheduler_output import PrefillChunk
 from loopserve.kernels.paged_prefill import PADDING_TILE, padded_tile_map, tile_capacity
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.kv.storage import KVStorage
-from loopserve.models.loader import dummy_model
-from loopserve.models.ouro_config import preset_config
-from loopserve.runner.block_tables import BlockTables, PromptPass
+from loopserve.runner.block_tables import PromptPass
 from loopserve.runner.prefill import PromptRunner
 from loopserve.runner.prompt_graphs import TOKEN_BUCKETS, GraphedPromptLoop, token_bucket
 from loopserve.sampling_params import SamplingInfo, SamplingParams
+from tests.kernels.tiny_setup import attention_spec, paged_kv, shuffled_pages, tiny_model
 
 SLOTS, PAGES, BLOCK = 6, 16, 4
 
@@ -42,40 +39,12 @@ class Runners:
 
 
 def _runners(device: torch.device, dtype: torch.dtype, max_tokens: int) -> Runners:
-    config = preset_config("tiny", {"head_dim": 32, "num_attention_heads": 2})
-    model = dummy_model(config, dtype, device, seed=0)
-    model.fuse_projections()
-    spec = AttentionSpec(
-        device_type=device.type,
-        compute_capability=torch.cuda.get_device_capability() if device.type == "cuda" else None,
-        dtype=dtype,
-        head_size=config.head_dim,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        block_size=BLOCK,
-        cuda_graphs=device.type == "cuda",
-    )
-    backend = TritonAttentionBackend(spec)
-    planes = config.num_loops
-    generator = torch.Generator().manual_seed(1)
-    pages = (torch.randperm(SLOTS * planes * PAGES, generator=generator) + 1).int()
-    runners = []
-    for _ in range(2):
-        kv = KVStorage(
-            num_layers=config.num_hidden_layers,
-            num_pages=SLOTS * planes * PAGES + 1,
-            block_size=BLOCK,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
-        cache = torch.randn(kv.cache.shape, generator=torch.Generator().manual_seed(2))
-        kv.cache.copy_(cache.to(dtype))
-        tables = BlockTables(SLOTS, planes, PAGES, BLOCK, device)
-        tables.tables.copy_(pages.view(SLOTS, planes, PAGES))
-        runners.append((kv, tables))
-    (kv0, tables0), (kv1, tables1) = runners
+    model = tiny_model(device, dtype, seed=0)
+    backend = TritonAttentionBackend(attention_spec(model, device, BLOCK))
+    pages = shuffled_pages(SLOTS, model.config.num_loops, PAGES, torch.Generator().manual_seed(1))
+    # Equal caches: each drawn from a generator in the same state.
+    kv0, tables0 = paged_kv(model, pages, BLOCK, device, torch.Generator().manual_seed(2))
+    kv1, tables1 = paged_kv(model, pages, BLOCK, device, torch.Generator().manual_seed(2))
     loops = GraphedPromptLoop(model, kv1, backend, tables1, max_tokens, SLOTS)
     return Runners(
         PromptRunner(model, kv0, backend, tables0),
