@@ -2,8 +2,8 @@
 
 Owns: running a step's prompt chunks (one packed pass per loop, each loop d writing and reading
 plane d - 1 as `kv.layout` says; a CUDA graph replay per loop where `prompt_graphs` has one that
-fits) and sampling the first output token of the chunks that complete a
-prompt. Must not: schedule anything; it runs exactly the chunks it is given.
+fits) and sampling the first output token of the chunks that complete a prompt. Must not:
+schedule anything; it runs exactly the chunks it is given.
 """
 
 from __future__ import annotations
