@@ -53,6 +53,11 @@ class AttentionBackend(ABC):
         self.spec = spec
         self.scale = spec.head_size**-0.5
 
+    @property
+    def decode_rotary(self) -> bool:
+        """Takes decode passes with `metadata.rope` (unrotated q and k; kv/metadata.py)."""
+        return False
+
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
         """Why this backend cannot serve `spec`; empty when it can."""

@@ -20,7 +20,17 @@ class PagedAttention:
         self.backend = backend
         self.kv = kv
         self.metadata = metadata
+        if metadata.rope is not None and not (metadata.is_decode and backend.decode_rotary):
+            raise ValueError(
+                f"{type(backend).__name__} cannot apply RoPE in this pass: only decode passes of "
+                "a backend with `decode_rotary` take metadata.rope"
+            )
         backend.prepare(metadata)
+
+    @property
+    def rotates(self) -> bool:
+        """Whether the backend applies RoPE to q and k (the model must not)."""
+        return self.metadata.rope is not None
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

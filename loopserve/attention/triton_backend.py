@@ -172,6 +172,11 @@ class TritonAttentionBackend(OutBufferBackend):
         buffer.copy_(to_device(tiles, torch.int32, device).reshape(-1, 2))
         return buffer
 
+    @property
+    def decode_rotary(self) -> bool:
+        """The decode kernel rotates q and k where it also writes the new K/V."""
+        return self.decode_schedule.fuse_kv_write
+
     def forward_into(
         self,
         q: torch.Tensor,  # [T, Nq, D]
@@ -207,6 +212,7 @@ class TritonAttentionBackend(OutBufferBackend):
                 q, key_cache, value_cache, metadata, out, workspace,
                 scale=self.scale, num_split_programs=plan.num_split_programs,
                 tiling=self.decode_tiling, new_kv=(k, v) if fused_write else None,
+                rope=metadata.rope,
                 last_program_combines=self.decode_schedule.last_program_combines,
             )  # fmt: skip
         if plan.prefill_tiles is not None:

@@ -75,6 +75,8 @@ TILING_CANDIDATES: dict[str, DecodeTiling] = {
     "lanes-n32-w4-s2": _lanes(num_stages=2),
     "lanes-n32-w4-s4": _lanes(num_stages=4),
     "lanes-n32-w4-s3-p64": _lanes(partition_min=64),
+    "lanes-n32-w4-s3-p32": _lanes(partition_min=32),
+    "lanes-n16-w4-s3-p32": _lanes(block_n=16, partition_min=32),
     "lanes-n32-w4-s3-p256": _lanes(partition_min=256),
     "dots-n64-w4-s3": DOTS,
     "dots-n32-w4-s3": _dots(block_n=32),

@@ -1,6 +1,7 @@
 """Triton kernels: of the attention backend, the layer ops and the decode step's bookkeeping.
 
-Owns: the kernel modules below (KV write, paged decode, packed paged prefill; fused layer ops;
+Owns: the kernel modules below (KV write, paged decode with its per-row pieces and RoPE, packed
+paged prefill; fused layer ops;
 the decode step's prologue and coda, `decode_state`, and its copy-on-exit, `kv_copy`; the
 sampler's noise hash, `noise`). Must not: import triton here; `import loopserve.kernels` stays
 cheap and dependency-free, each kernel module imports triton itself and is imported only by the

@@ -69,6 +69,22 @@ def _add_norm_kernel(
 
 
 @triton.jit
+def rotate_half(x_ptrs, cos_ptrs, sin_ptrs, dims, mask, half):
+    """x * cos + rotate_half(x) * sin for head vectors at `x_ptrs + dims` (dims [..., BLOCK_D],
+    0 <= dims < 2 * half where `mask`), with rotate_half(x) = [-second, first]; each product and
+    the sum are rounded to x's dtype like the torch ops. cos/sin: the token's angle rows."""
+    dtype = x_ptrs.dtype.element_ty
+    first_half = dims < half
+    partner = tl.where(first_half, dims + half, dims - half)
+    x = tl.load(x_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
+    other = tl.load(x_ptrs + partner, mask=mask, other=0.0).to(tl.float32)
+    rotated = tl.where(first_half, -other, other)
+    cos = tl.load(cos_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
+    return ((x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,  # [T, heads, D], rotated in place
     cos_ptr,  # [T, D]
@@ -79,32 +95,17 @@ def _rotary_kernel(
     heads,
     half,  # D / 2
     BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,  # the next power of two >= half
+    BLOCK_D: tl.constexpr,  # the next power of two >= D
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.arange(0, BLOCK_HEADS)[:, None]
-    dim = tl.arange(0, BLOCK_HALF)[None, :]
-    in_dim = dim < half
-    mask = (head < heads) & in_dim
-    dtype = x_ptr.dtype.element_ty
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (head < heads) & (dims < 2 * half)
     base = x_ptr + token * stride_token + head * stride_head
-    first = tl.load(base + dim, mask=mask, other=0.0).to(tl.float32)
-    second = tl.load(base + half + dim, mask=mask, other=0.0).to(tl.float32)
-    angle = token * stride_angle + dim
-    cos_first = tl.load(cos_ptr + angle, mask=in_dim, other=0.0).to(tl.float32)
-    cos_second = tl.load(cos_ptr + angle + half, mask=in_dim, other=0.0).to(tl.float32)
-    sin_first = tl.load(sin_ptr + angle, mask=in_dim, other=0.0).to(tl.float32)
-    sin_second = tl.load(sin_ptr + angle + half, mask=in_dim, other=0.0).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-second, first]; each product and
-    # the sum are rounded like the torch ops.
-    new_first = (first * cos_first).to(dtype).to(tl.float32) + (-second * sin_first).to(dtype).to(
-        tl.float32
-    )
-    new_second = (second * cos_second).to(dtype).to(tl.float32) + (first * sin_second).to(dtype).to(
-        tl.float32
-    )
-    tl.store(base + dim, new_first.to(dtype), mask=mask)
-    tl.store(base + half + dim, new_second.to(dtype), mask=mask)
+    angles = token * stride_angle
+    rotated = rotate_half(base, cos_ptr + angles, sin_ptr + angles, dims, mask, half)
+    tl.debug_barrier()  # every element's partner is read before any is overwritten
+    tl.store(base + dims, rotated, mask=mask)
 
 
 @triton.jit
@@ -158,7 +159,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_kernel[(tokens,)](
             x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads, head_dim // 2,
             BLOCK_HEADS=triton.next_power_of_2(heads),
-            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            BLOCK_D=triton.next_power_of_2(head_dim),
         )  # fmt: skip
     return x
 

@@ -1,9 +1,11 @@
 """Triton paged decode attention: one query token per row over that row's own page table.
 
 Owns: the decode kernel (a program streams its partitions of a row; it can store the row's new
-K/V first, and it combines the row itself when it is the row's only program), the combine kernel
-for rows whose partitions were shared out, and the workspace they share. The tiling, partition
-and split rules are `decode_plan.py`; the tile loops and the fold are `decode_tiles.py`. Must not:
+K/V first, rotating q and k on the way, and it combines the row itself when it is the row's only
+program), the combine kernel for rows whose partitions were shared out, and the workspace they
+share. The tiling, partition and split rules are `decode_plan.py`; a row's partitions, its K/V
+write and its rotated query are `decode_row.py`; the tile loops and the fold are
+`decode_tiles.py`. Must not:
 read host copies of lengths or sync with the device; the launch grid depends only on the number
 of rows and on shapes, so a decode step can be captured in a CUDA graph for a fixed padded row
 count.
@@ -30,6 +32,13 @@ import triton
 import triton.language as tl
 
 from loopserve.kernels.decode_plan import DecodeTiling
+from loopserve.kernels.decode_row import (
+    decode_row,
+    partition_doublings,
+    program_tiles,
+    rotated_query,
+    write_new_kv,
+)
 from loopserve.kernels.decode_tiles import combine_partials, dot_tiles, lane_tiles
 from loopserve.kv.metadata import AttentionMetadata
 
@@ -59,79 +68,6 @@ def new_workspace(
     )
 
 
-@triton.jit
-def _partition_doublings(seq_len, PARTITION_MIN: tl.constexpr, MAX_PARTITIONS: tl.constexpr):
-    """k such that PARTITION_MIN << k, the row's partition size, is the smallest power-of-two
-    multiple of PARTITION_MIN that cuts seq_len into at most MAX_PARTITIONS partitions."""
-    doublings = seq_len * 0
-    while (PARTITION_MIN * MAX_PARTITIONS << doublings) < seq_len:
-        doublings += 1
-    return doublings
-
-
-@triton.jit
-def _decode_row(query_start_ptr, seq_lens_ptr, row):
-    """(query token index, query length, decode length: 0 unless the row has one query token)."""
-    token = tl.load(query_start_ptr + row)
-    query_len = tl.load(query_start_ptr + row + 1) - token
-    seq_len = tl.load(seq_lens_ptr + row)
-    return token.to(tl.int64), query_len, tl.where(query_len == 1, seq_len, 0)
-
-
-@triton.jit
-def _program_tiles(
-    seq_len, split, num_split_programs, part_size, tile_shift, BLOCK_N: tl.constexpr
-):
-    """(tiles this program reduces, 1 if its last one is partial else 0, partitions of the row,
-    whether it owns the row's last partition).
-
-    Program `split` owns partitions split, split + splits, ...; each has 1 << tile_shift tiles
-    (part_size / BLOCK_N) but the row's last, which has the rest of its ceil(L / BLOCK_N) tiles.
-    """
-    num_parts = (seq_len + part_size - 1) // part_size
-    owned = tl.maximum(num_parts - split + num_split_programs - 1, 0) // num_split_programs
-    owns_last = (num_parts > 0) & ((num_parts - 1) % num_split_programs == split)
-    missing = (num_parts << tile_shift) - (seq_len + BLOCK_N - 1) // BLOCK_N  # not in the last
-    num_tiles = (owned << tile_shift) - tl.where(owns_last, missing, 0)
-    tail = tl.where(owns_last & (seq_len % BLOCK_N != 0), 1, 0)
-    return num_tiles, tail, num_parts, owns_last
-
-
-@triton.jit
-def _write_new_kv(
-    k_new_ptr,  # [T, Nkv, D]
-    v_new_ptr,  # [T, Nkv, D]
-    key_cache_ptr,
-    value_cache_ptr,
-    slot_mapping_ptr,  # [T] int64
-    token,
-    kv_head,
-    write,  # scalar bool: this program reads the row's last token
-    stride_new_token,
-    stride_new_head,
-    stride_cache_page,
-    stride_cache_offset,
-    stride_cache_head,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The row's new K/V into its slot (as `kv_write` does), visible to this program after."""
-    dims = tl.arange(0, BLOCK_D)
-    mask = dims < tl.where(write, HEAD_DIM, 0)
-    source = token * stride_new_token + kv_head * stride_new_head + dims
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    destination = (
-        (slot // BLOCK_SIZE) * stride_cache_page
-        + (slot % BLOCK_SIZE) * stride_cache_offset
-        + kv_head * stride_cache_head
-        + dims
-    )
-    tl.store(key_cache_ptr + destination, tl.load(k_new_ptr + source, mask=mask), mask=mask)
-    tl.store(value_cache_ptr + destination, tl.load(v_new_ptr + source, mask=mask), mask=mask)
-    tl.debug_barrier()  # the program's own stores are visible to all its threads' loads after
-
-
 @triton.jit(do_not_specialize=["num_split_programs", "stride_table_row"])
 def _decode_kernel(
     q_ptr,  # [T, Nq, D]
@@ -143,6 +79,9 @@ def _decode_kernel(
     seq_lens_ptr,  # [S] int32
     page_table_ptr,  # [S, P] int32
     slot_mapping_ptr,  # [T] int64
+    cos_ptr,  # [T, D] RoPE rows of the pass's tokens (read only with ROTARY)
+    sin_ptr,
+    rotated_ptr,  # [T, Nq, D] scratch for the rotated queries (ROTARY), q's strides
     out_ptr,  # [T, Nq, D]
     partial_out_ptr,  # [S, Nq, parts, D] fp32
     partial_max_ptr,  # [S, Nq, parts] fp32
@@ -156,6 +95,7 @@ def _decode_kernel(
     stride_new_head,
     stride_out_token,
     stride_out_head,
+    stride_angle,
     stride_cache_page,
     stride_cache_offset,
     stride_cache_head,
@@ -179,6 +119,7 @@ def _decode_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # dots in fp32 (only under the CPU interpreter)
     WRITE_KV: tl.constexpr,  # store the row's new K/V before reading (instead of kv_write)
+    ROTARY: tl.constexpr,  # q and the new k are unrotated: apply RoPE here (needs WRITE_KV)
     COMBINE: tl.constexpr,  # one program per row: combine here (num_split_programs == 1)
     LAST_COMBINES: tl.constexpr,  # the last of a row's programs to finish combines it
     PARTIALS_CACHE: tl.constexpr,  # ".cg" with LAST_COMBINES (other programs' partials)
@@ -190,20 +131,28 @@ def _decode_kernel(
     in_group = (tl.program_id(1) % programs_per_kv_head) * HEADS + tl.arange(0, HEADS)  # [H]
     heads = kv_head * GROUP + in_group  # query heads of this program, [H]
     dims = tl.arange(0, BLOCK_D)
-    token, query_len, seq_len = _decode_row(query_start_ptr, seq_lens_ptr, row)
-    doublings = _partition_doublings(seq_len, PARTITION_MIN, MAX_PARTITIONS)
+    token, query_len, seq_len = decode_row(query_start_ptr, seq_lens_ptr, row)
+    doublings = partition_doublings(seq_len, PARTITION_MIN, MAX_PARTITIONS)
     part_size = PARTITION_MIN << doublings
     tile_shift = PART_TILES_LOG2 + doublings  # a partition has 1 << tile_shift tiles
-    num_tiles, tail, num_parts, owns_last = _program_tiles(
+    num_tiles, tail, num_parts, owns_last = program_tiles(
         seq_len, split, num_split_programs, part_size, tile_shift, BLOCK_N
     )
+    angles = token * stride_angle
     if WRITE_KV:
-        _write_new_kv(
-            k_new_ptr, v_new_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, token,
-            kv_head, owns_last, stride_new_token, stride_new_head, stride_cache_page,
-            stride_cache_offset, stride_cache_head, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+        write_new_kv(
+            k_new_ptr, v_new_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+            cos_ptr + angles, sin_ptr + angles, token, kv_head, owns_last, stride_new_token,
+            stride_new_head, stride_cache_page, stride_cache_offset, stride_cache_head,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROTARY,
         )  # fmt: skip
     q_rows = token * stride_q_token + heads * stride_q_head  # [H]
+    if ROTARY:
+        rotated_query(
+            q_ptr, rotated_ptr, cos_ptr + angles, sin_ptr + angles, q_rows, q_rows,
+            in_group < tl.where(query_len == 1, GROUP, 0), HEAD_DIM, BLOCK_D,
+        )  # fmt: skip
+        q_ptr = rotated_ptr
     partial_rows = row.to(tl.int64) * stride_partial_row + heads * stride_partial_head  # [H]
     scalar_rows = row.to(tl.int64) * stride_scalar_row + heads * stride_scalar_head  # [H]
     table_row_ptr = page_table_ptr + row.to(tl.int64) * stride_table_row
@@ -288,8 +237,8 @@ def _combine_kernel(
     """Rows of two or more partitions (the decode kernel finished the others), one head each."""
     row = tl.program_id(0)
     head = tl.program_id(1)
-    token, _, seq_len = _decode_row(query_start_ptr, seq_lens_ptr, row)  # 0 unless one query
-    part_size = PARTITION_MIN << _partition_doublings(seq_len, PARTITION_MIN, MAX_PARTITIONS)
+    token, _, seq_len = decode_row(query_start_ptr, seq_lens_ptr, row)  # 0 unless one query
+    part_size = PARTITION_MIN << partition_doublings(seq_len, PARTITION_MIN, MAX_PARTITIONS)
     num_parts = (seq_len + part_size - 1) // part_size
     if num_parts > 1:
         partial_row = row.to(tl.int64) * stride_partial_row + head * stride_partial_head
@@ -320,18 +269,23 @@ def paged_decode_attention(
     num_split_programs: int,
     tiling: DecodeTiling,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     last_program_combines: bool = False,
 ) -> None:
     """Attention of every one-token row over its pages into `out`; other rows are left alone.
 
     `new_kv` ([T, Nkv, D] keys and values of this pass): the kernel stores each decode row's new
     K/V into its slot itself (no separate `kv_write`); only for passes where every row has one
-    query token. `last_program_combines`: when rows are shared by several programs, the last
-    one to finish folds the row (no combine launch). Reads only device tensors of `metadata`
-    (never its host lists), so it can be graph-captured.
+    query token. `rope` ([T, D] cos and sin rows of the tokens, with `new_kv`): q and the new k
+    are unrotated and the kernel applies RoPE as `fused_ops.rotary_qk_` does, bit for bit (no
+    separate launch; q and k are left as they are). `last_program_combines`: when rows are
+    shared by several programs, the last one to finish folds the row (no combine launch). Reads
+    only device tensors of `metadata` (never its host lists), so it can be graph-captured.
     """
     if new_kv is not None and metadata.max_query_len != 1:
         raise ValueError("the decode kernel writes new K/V only in passes of one-token rows")
+    if rope is not None and new_kv is None:
+        raise ValueError("the decode kernel applies RoPE only where it writes the new K/V")
     rows = metadata.seq_lens.shape[0]
     needed = tiling.partitions_bound(metadata.page_table.shape[1] * key_cache.shape[1])
     if workspace.partial_max.shape[2] < needed or workspace.partial_max.shape[0] < rows:
@@ -343,7 +297,7 @@ def paged_decode_attention(
     last_combines = last_program_combines and num_split_programs > 1
     _launch_decode(
         q, key_cache, value_cache, metadata, out, workspace, scale, num_split_programs, tiling,
-        new_kv, last_combines,
+        new_kv, rope, last_combines,
     )  # fmt: skip
     if num_split_programs > 1 and not last_combines:
         _launch_combine(out, metadata, workspace, tiling)
@@ -360,9 +314,16 @@ def _launch_decode(
     num_split_programs: int,
     tiling: DecodeTiling,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
     last_combines: bool,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
+    cos, sin = rope if rope is not None else (q, q)  # q: a placeholder, not read
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    rotated = (
+        torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device) if rope else q
+    )
     num_kv_heads = key_cache.shape[2]
     k_new, v_new = new_kv if new_kv is not None else (q, q)  # q: a placeholder, not read
     if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
@@ -376,10 +337,10 @@ def _launch_decode(
     _decode_kernel[grid](
         q, k_new, v_new, key_cache, value_cache,
         metadata.query_start, metadata.seq_lens, metadata.page_table, metadata.slot_mapping,
-        out, partial_out, partial_max, workspace.partial_sum, workspace.arrivals,
+        cos, sin, rotated, out, partial_out, partial_max, workspace.partial_sum, workspace.arrivals,
         scale * LOG2_E, num_split_programs,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        cos.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         metadata.page_table.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_max.stride(0), partial_max.stride(1),
         workspace.arrivals.stride(0),
@@ -397,6 +358,7 @@ def _launch_decode(
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.device.type == "cpu",
         WRITE_KV=new_kv is not None,
+        ROTARY=rope is not None,
         COMBINE=num_split_programs == 1,
         LAST_COMBINES=last_combines,
         PARTIALS_CACHE=".cg" if last_combines else "",

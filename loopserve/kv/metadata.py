@@ -16,6 +16,10 @@ for more than it holds: sequences past the last real one have query length 0, to
 `query_start[-1]` belong to no sequence, write into the null page and get a zero output, and rows
 of `page_table` past the last real sequence are not read. Only backends that declare
 `supports_prompt_graphs` are handed one.
+
+A pass with `rope` (the cos and sin rows of its tokens, [T, D]) hands the backend unrotated q
+and k: the backend applies RoPE itself, with the bits of the model's own rotary op. Only decode
+passes of backends whose `decode_rotary` is true get one (`PagedAttention` checks).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class AttentionMetadata:
     query_start_host: list[int] | None
     seq_lens_host: list[int] | None
     padded: bool = False
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_sequences(self) -> int:

@@ -12,12 +12,14 @@ Where the layer ops are fused Triton kernels (CUDA; `fused_kernels`, set by the 
 the bookkeeping around the loop runs as two launches, `kernels/decode_state.py`'s prologue and
 coda, twins of the torch code here, which stays the reference (tests/kernels/test_decode_state.py
 holds them bit for bit) and the path everywhere else; the copy-on-exit then runs as one launch
-(`kernels/kv_copy.py`). The model, the exit gate, the LM head and sampling run as torch on both
+(`kernels/kv_copy.py`), and RoPE runs inside the decode attention kernel where the backend
+can (`decode_rotary`). The model, the exit gate, the LM head and sampling run as torch on both
 paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -242,6 +244,8 @@ class DecodeStep:
         metadata = self.block_tables.decode_metadata_from(
             start.seq_lens, start.page_table, start.slot_mapping, self._host_lengths
         )
+        if self.backend.decode_rotary:  # RoPE inside the decode kernel: one launch less a layer
+            metadata = dataclasses.replace(metadata, rope=(start.cos, start.sin))
         out, hazard, sampled = self._loop(rows, kind, start.hidden, start.cos, start.sin, metadata)
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
         columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
@@ -266,7 +270,8 @@ class DecodeStep:
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor, SampleResult]:
         """The loop itself, the exit hazard λ and the sampled token of every row."""
-        context = LoopContext(cos, sin, PagedAttention(self.backend, self.kv, metadata))
+        attention = PagedAttention(self.backend, self.kv, metadata)
+        context = LoopContext(cos, sin, attention, attention_rotates=attention.rotates)
         out = self.model.run_loop(hidden, context)  # [rows, H]
         hazard = self.model.exit_probability(out)
         logits = self.model.compute_logits(out)  # [rows, V], used only where a row exits

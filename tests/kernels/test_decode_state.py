@@ -217,6 +217,16 @@ def test_fused_step_is_the_torch_step_bitwise(
         check_fused_matches_torch(device, torch.float32, layout, scheduling, kind, seed)
 
 
+def test_rope_in_the_decode_kernel_is_the_torch_step_bitwise(device: torch.device) -> None:
+    """With the Triton backend (the interpreter on a CPU) the fused step hands the decode kernel
+    unrotated q and k (`metadata.rope`), the torch step rotates them in the model first: the
+    same records, states and KV cache."""
+    check_fused_matches_torch(
+        device, torch.float32, KVLayout.FULL, Scheduling.REFILL, SAMPLED, seed=1,
+        backend_class=TritonAttentionBackend,
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(ON_GPU, reason="the stand-in flashinfer runs on the CPU")
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_flashinfer_reads_the_fused_metadata_as_the_torch_one(

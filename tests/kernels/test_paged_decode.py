@@ -17,6 +17,7 @@ from loopserve.attention.base import AttentionSpec
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.torch_backend import write_kv as reference_write_kv
 from loopserve.bench.decode_sweep import TILING_CANDIDATES
+from loopserve.kernels.fused_ops import rotary_qk_
 from loopserve.kernels.paged_decode import DecodeTiling, new_workspace, paged_decode_attention
 
 from .batch_specs import (
@@ -50,6 +51,7 @@ def _decode(
     fused_write: bool = False,
     last_combines: bool = False,
     only_row: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode output [T, Nq, D] of the batch (or of row `only_row` alone) into a poisoned out.
 
@@ -76,6 +78,7 @@ def _decode(
         num_split_programs=splits,
         tiling=tiling,
         new_kv=(k, v) if fused_write else None,
+        rope=rope,
         last_program_combines=last_combines,
     )
     assert not workspace.arrivals.any()  # the last program of a row leaves its count at 0
@@ -141,6 +144,34 @@ def test_fused_kv_write_and_combine(path: str, device: torch.device) -> None:
     fused_cache = batch.kv.cache[batch.layer].clone()
     _written(batch)
     assert torch.equal(fused_cache.nan_to_num(7.0), batch.kv.cache[batch.layer].nan_to_num(7.0))
+
+
+ROTARY_CASES = [(MHA, "lanes"), (GQA, "dots"), (PADDED, "lanes"), (PADDED, "dots")]
+
+
+@pytest.mark.parametrize(("shape", "path"), ROTARY_CASES, ids=[f"{s}-{p}" for s, p in ROTARY_CASES])
+def test_rotary_in_the_kernel_equals_rotary_then_decode(
+    shape: HeadShape, path: str, device: torch.device
+) -> None:
+    """RoPE applied by the decode kernel (q in a scratch copy, k on its way into the cache)
+    gives the bits of `rotary_qk_` followed by the kernel: the output and every cache byte; q and
+    k are left unrotated. Split programs share the row (the scratch is written by each)."""
+    rows = DECODE_SPECS["mixed_lengths"]
+    tokens = len(rows)
+    angles = torch.Generator().manual_seed(3)
+    cos = torch.randn(tokens, shape.head_dim, generator=angles).to(shape.dtype).to(device)
+    sin = torch.randn(tokens, shape.head_dim, generator=angles).to(shape.dtype).to(device)
+    separate = build_batch(rows, shape, device, seed=9)
+    q, k = rotary_qk_(separate.q.clone(), separate.k.clone(), cos, sin)
+    expected = _decode(dataclasses.replace(separate, q=q, k=k), PATHS[path], 3, fused_write=True)
+    fused = build_batch(rows, shape, device, seed=9)
+    q_before, k_before = fused.q.clone(), fused.k.clone()
+    out = _decode(fused, PATHS[path], 3, fused_write=True, last_combines=True, rope=(cos, sin))
+    assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0))
+    cache, expected_cache = fused.kv.cache[fused.layer], separate.kv.cache[separate.layer]
+    assert torch.equal(cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
+    assert torch.equal(fused.q, q_before) and torch.equal(fused.k, k_before)
+    assert not torch.equal(q, q_before)  # the rotation did something
 
 
 @pytest.mark.parametrize("path", PATHS)
