@@ -71,8 +71,11 @@ def _add_norm_kernel(
 @triton.jit
 def rotate_half(x_ptrs, cos_ptrs, sin_ptrs, dims, mask, half):
     """x * cos + rotate_half(x) * sin for head vectors at `x_ptrs + dims` (dims [..., BLOCK_D],
-    0 <= dims < 2 * half where `mask`), with rotate_half(x) = [-second, first]; each product and
-    the sum are rounded to x's dtype like the torch ops. cos/sin: the token's angle rows."""
+    0 <= dims < 2 * half where `mask`), with rotate_half(x) = [-second, first]. In 16-bit
+    dtypes each product and the sum are rounded to the dtype like the torch ops; in fp32 the sum
+    is an explicit fma(x, cos, rotated * sin), so no kernel that shares this function can
+    contract it differently (the rotary kernel and the decode kernel give the same bits).
+    cos/sin: the token's angle rows."""
     dtype = x_ptrs.dtype.element_ty
     first_half = dims < half
     partner = tl.where(first_half, dims + half, dims - half)
@@ -81,6 +84,8 @@ def rotate_half(x_ptrs, cos_ptrs, sin_ptrs, dims, mask, half):
     rotated = tl.where(first_half, -other, other)
     cos = tl.load(cos_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
+    if dtype == tl.float32:
+        return tl.fma(x, cos, rotated * sin)
     return ((x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
 
 

@@ -28,6 +28,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class ModelOps(Protocol):
+    # RoPE as `kernels.fused_ops.rotate_half` computes it, so a kernel that applies RoPE itself
+    # (the Triton decode kernel) gives this op's bits.
+    rotary_is_fused_ops: bool
+
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor: ...
 
     def add_norm(
@@ -44,6 +48,8 @@ class ModelOps(Protocol):
 
 
 class TorchOps:
+    rotary_is_fused_ops = False
+
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x)
 
@@ -64,6 +70,8 @@ class TorchOps:
 
 class TritonOps:
     """Fused kernels; q and k are rotated in place (they are views of a fresh projection)."""
+
+    rotary_is_fused_ops = True
 
     def __init__(self) -> None:
         from loopserve.kernels import fused_ops

@@ -13,8 +13,8 @@ the bookkeeping around the loop runs as two launches, `kernels/decode_state.py`'
 coda, twins of the torch code here, which stays the reference (tests/kernels/test_decode_state.py
 holds them bit for bit) and the path everywhere else; the copy-on-exit then runs as one launch
 (`kernels/kv_copy.py`), and RoPE runs inside the decode attention kernel where the backend
-can (`decode_rotary`). The model, the exit gate, the LM head and sampling run as torch on both
-paths.
+can (`decode_rotary`) and the model's ops rotate as that kernel does (`rotary_is_fused_ops`).
+The model, the exit gate, the LM head and sampling run as torch on both paths.
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ class DecodeStep:
         metadata = self.block_tables.decode_metadata_from(
             start.seq_lens, start.page_table, start.slot_mapping, self._host_lengths
         )
-        if self.backend.decode_rotary:  # RoPE inside the decode kernel: one launch less a layer
+        if self.backend.decode_rotary and self.model.ops.rotary_is_fused_ops:
+            # RoPE inside the decode kernel (one launch less a layer), with the ops' own bits.
             metadata = dataclasses.replace(metadata, rope=(start.cos, start.sin))
         out, hazard, sampled = self._loop(rows, kind, start.hidden, start.cos, start.sin, metadata)
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]

@@ -28,6 +28,7 @@ from loopserve.depth.policy import Scheduling, SlotRule
 from loopserve.kernels import decode_state
 from loopserve.kv.layout import KVLayout
 from loopserve.kv.pages import NULL_PAGE
+from loopserve.models.ops import ModelOps, TritonOps
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep, SamplingKind
@@ -180,10 +181,13 @@ def check_fused_matches_torch(
     seed: int,
     graphed: bool = False,
     backend_class: type[AttentionBackend] | None = None,
+    ops: ModelOps | None = None,
 ) -> None:
     """STEPS steps of both paths from one random state; `graphed`: the fused one by replaying
     CUDA graphs (a bucket of exactly ROWS rows)."""
     pair = _pair(device, dtype, layout, scheduling, seed, backend_class)
+    if ops is not None:
+        pair.model.ops = ops
     generator = torch.Generator().manual_seed(seed)
     _randomise(pair.reference, generator, kind)
     _on_the_boundary(pair, kind, generator)
@@ -217,13 +221,16 @@ def test_fused_step_is_the_torch_step_bitwise(
         check_fused_matches_torch(device, torch.float32, layout, scheduling, kind, seed)
 
 
-def test_rope_in_the_decode_kernel_is_the_torch_step_bitwise(device: torch.device) -> None:
-    """With the Triton backend (the interpreter on a CPU) the fused step hands the decode kernel
-    unrotated q and k (`metadata.rope`), the torch step rotates them in the model first: the
-    same records, states and KV cache."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32])
+def test_rope_in_the_decode_kernel_is_the_torch_step_bitwise(
+    device: torch.device, dtype: torch.dtype
+) -> None:
+    """With the Triton backend and ops (the interpreter on a CPU) the fused step hands the decode
+    kernel unrotated q and k (`metadata.rope`), the torch step rotates them with the ops' rotary
+    kernel first: the same records, states and KV cache."""
     check_fused_matches_torch(
-        device, torch.float32, KVLayout.FULL, Scheduling.REFILL, SAMPLED, seed=1,
-        backend_class=TritonAttentionBackend,
+        device, dtype, KVLayout.FULL, Scheduling.REFILL, SAMPLED, seed=1,
+        backend_class=TritonAttentionBackend, ops=TritonOps(),
     )  # fmt: skip
 
 
