@@ -69,24 +69,29 @@ def _add_norm_kernel(
 
 
 @triton.jit
+def _rope(x, rotated, cos, sin, dtype: tl.constexpr):
+    """x * cos + rotated * sin (all fp32; rotated = rotate_half(x) at the same element) in dtype.
+    In 16-bit dtypes each product and the sum are rounded to the dtype like the torch ops; in
+    fp32 the sum is an explicit fma(x, cos, rotated * sin), so no kernel that uses this can
+    contract it differently (the rotary kernel and the decode kernel give the same bits)."""
+    if dtype == tl.float32:
+        return tl.fma(x, cos, rotated * sin)
+    return ((x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def rotate_half(x_ptrs, cos_ptrs, sin_ptrs, dims, mask, half):
-    """x * cos + rotate_half(x) * sin for head vectors at `x_ptrs + dims` (dims [..., BLOCK_D],
-    0 <= dims < 2 * half where `mask`), with rotate_half(x) = [-second, first]. In 16-bit
-    dtypes each product and the sum are rounded to the dtype like the torch ops; in fp32 the sum
-    is an explicit fma(x, cos, rotated * sin), so no kernel that shares this function can
-    contract it differently (the rotary kernel and the decode kernel give the same bits).
-    cos/sin: the token's angle rows."""
-    dtype = x_ptrs.dtype.element_ty
+    """RoPE of the head vectors at `x_ptrs + dims` (dims [..., BLOCK_D], 0 <= dims < 2 * half
+    where `mask`), rotate_half(x) = [-second, first]; cos/sin: the token's angle rows. Returns
+    the rotated values (x's dtype); reads each element's partner, so callers that store in place
+    must let every thread read first."""
     first_half = dims < half
     partner = tl.where(first_half, dims + half, dims - half)
     x = tl.load(x_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
     other = tl.load(x_ptrs + partner, mask=mask, other=0.0).to(tl.float32)
-    rotated = tl.where(first_half, -other, other)
     cos = tl.load(cos_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptrs + dims, mask=mask, other=0.0).to(tl.float32)
-    if dtype == tl.float32:
-        return tl.fma(x, cos, rotated * sin)
-    return ((x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+    return _rope(x, tl.where(first_half, -other, other), cos, sin, x_ptrs.dtype.element_ty)
 
 
 @triton.jit
@@ -100,17 +105,25 @@ def _rotary_kernel(
     heads,
     half,  # D / 2
     BLOCK_HEADS: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # the next power of two >= D
+    BLOCK_HALF: tl.constexpr,  # the next power of two >= half
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (head < heads) & (dims < 2 * half)
+    dim = tl.arange(0, BLOCK_HALF)[None, :]
+    in_dim = dim < half
+    mask = (head < heads) & in_dim
+    dtype = x_ptr.dtype.element_ty
     base = x_ptr + token * stride_token + head * stride_head
-    angles = token * stride_angle
-    rotated = rotate_half(base, cos_ptr + angles, sin_ptr + angles, dims, mask, half)
-    tl.debug_barrier()  # every element's partner is read before any is overwritten
-    tl.store(base + dims, rotated, mask=mask)
+    # Each thread holds an element and its partner, so the in-place stores need no barrier.
+    first = tl.load(base + dim, mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(base + half + dim, mask=mask, other=0.0).to(tl.float32)
+    angle = token * stride_angle + dim
+    cos_first = tl.load(cos_ptr + angle, mask=in_dim, other=0.0).to(tl.float32)
+    cos_second = tl.load(cos_ptr + angle + half, mask=in_dim, other=0.0).to(tl.float32)
+    sin_first = tl.load(sin_ptr + angle, mask=in_dim, other=0.0).to(tl.float32)
+    sin_second = tl.load(sin_ptr + angle + half, mask=in_dim, other=0.0).to(tl.float32)
+    tl.store(base + dim, _rope(first, -second, cos_first, sin_first, dtype), mask=mask)
+    tl.store(base + half + dim, _rope(second, first, cos_second, sin_second, dtype), mask=mask)
 
 
 @triton.jit
@@ -164,7 +177,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_kernel[(tokens,)](
             x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads, head_dim // 2,
             BLOCK_HEADS=triton.next_power_of_2(heads),
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )  # fmt: skip
     return x
 
