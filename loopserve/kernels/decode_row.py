@@ -96,13 +96,14 @@ def write_new_kv(
 
 @triton.jit
 def rotated_query(
-    q_ptr, rotated_ptr, cos_ptr, sin_ptr, q_rows, rotated_rows, head_valid,
+    q_ptr, rotated_ptr, cos_ptr, sin_ptr, q_rows, head_valid,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """This program's query heads, rotated, into `rotated_ptr` (a scratch twin of q: every
-    program of a row writes the same bits there, so sharing it is safe), visible after."""
+    """This program's query heads, rotated, into `rotated_ptr` (a scratch twin of q with q's
+    strides: every program of a row writes the same bits there, so sharing it is safe), visible
+    to the program's threads after."""
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = head_valid[:, None] & (dims < HEAD_DIM)
     rotated = rotate_half(q_ptr + q_rows[:, None], cos_ptr, sin_ptr, dims, mask, HEAD_DIM // 2)
-    tl.store(rotated_ptr + rotated_rows[:, None] + dims, rotated, mask=mask)
+    tl.store(rotated_ptr + q_rows[:, None] + dims, rotated, mask=mask)
     tl.debug_barrier()

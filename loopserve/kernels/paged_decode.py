@@ -149,7 +149,7 @@ def _decode_kernel(
     q_rows = token * stride_q_token + heads * stride_q_head  # [H]
     if ROTARY:
         rotated_query(
-            q_ptr, rotated_ptr, cos_ptr + angles, sin_ptr + angles, q_rows, q_rows,
+            q_ptr, rotated_ptr, cos_ptr + angles, sin_ptr + angles, q_rows,
             in_group < tl.where(query_len == 1, GROUP, 0), HEAD_DIM, BLOCK_D,
         )  # fmt: skip
         q_ptr = rotated_ptr
