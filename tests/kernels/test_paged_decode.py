@@ -146,7 +146,8 @@ def test_fused_kv_write_and_combine(path: str, device: torch.device) -> None:
     assert torch.equal(fused_cache.nan_to_num(7.0), batch.kv.cache[batch.layer].nan_to_num(7.0))
 
 
-ROTARY_CASES = [(MHA, "lanes"), (GQA, "dots"), (PADDED, "lanes"), (PADDED, "dots")]
+# The rotation runs before the two tile paths split, so the padded head dim needs one of them.
+ROTARY_CASES = [(MHA, "lanes"), (GQA, "dots"), (PADDED, "dots")]
 
 
 @pytest.mark.parametrize(("shape", "path"), ROTARY_CASES, ids=[f"{s}-{p}" for s, p in ROTARY_CASES])
