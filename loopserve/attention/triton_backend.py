@@ -18,7 +18,6 @@ and `auto` on a CPU machine without that variable still chooses the torch backen
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
+from loopserve.kernels.availability import triton_installed
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
@@ -105,7 +105,7 @@ class TritonAttentionBackend(OutBufferBackend):
 
     @classmethod
     def environment_reasons(cls, spec: AttentionSpec) -> list[str]:
-        if importlib.util.find_spec("triton") is None:
+        if not triton_installed():
             return ["triton is not installed (pip install 'loopserve[triton]')"]
         return []
 

@@ -9,7 +9,6 @@ Must not: write anything back into `EngineConfig`; what it resolves is reported 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from loopserve.attention.registry import select_backend
 from loopserve.config import EngineConfig, KVAllocation, LoadFormat
 from loopserve.depth.policy import ExitMode
 from loopserve.engine.runner_api import RunnerInfo
+from loopserve.kernels.availability import triton_installed
 from loopserve.kv.pages import pages_for
 from loopserve.kv.storage import KVStorage
 from loopserve.models.builtin import resolve_model_dir
@@ -91,7 +91,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> O
     else:
         model = load_checkpoint(model_dir, dtype, device)
     model.fuse_projections()
-    use_triton = importlib.util.find_spec("triton") is not None
+    use_triton = triton_installed()
     if device.type == "cuda" and config.fused_kernels and use_triton:
         model.ops = TritonOps()
     logger.info("layer ops: %s", type(model.ops).__name__)

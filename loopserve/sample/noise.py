@@ -9,10 +9,9 @@ depend on which rows share a batch). On CUDA the hash runs as its Triton twin
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
+
+from loopserve.kernels.availability import triton_installed
 
 _MASK32 = 0xFFFFFFFF
 
@@ -48,15 +47,10 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel draws [R, V] fp32: argmax(logits + g) samples softmax(logits). On CUDA
     with triton the uniform draws come from the hash's one-launch twin (the same bits)."""
-    if seeds.device.type == "cuda" and _has_triton():
+    if seeds.device.type == "cuda" and triton_installed():
         from loopserve.kernels.noise import uniform_noise as fused_uniform_noise
 
         uniform = fused_uniform_noise(seeds, counters, vocab_size)
     else:
         uniform = uniform_noise(seeds, counters, vocab_size)
     return -torch.log(-torch.log(uniform))
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None

@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "attention": {"kernels", "kv"},
     "kernels": {"kv"},
     # small host values reach the device one way; the noise hash has a Triton twin
-    "sample": {"sampling_params", "kv.transfer", "kernels.noise"},
+    "sample": {"sampling_params", "kv.transfer", "kernels.noise", "kernels.availability"},
     "kv": set(),
     "depth": {"sampling_params", "kv"},
     "config": {"depth", "kv"},

@@ -13,7 +13,6 @@ with prompt chunks: the decode step is a pass of its own).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import shutil
@@ -26,6 +25,7 @@ import torch
 
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
 from loopserve.attention.flashinfer.prefill import FA3_HEAD_SIZES, PagedPrefill, PrefillPlan
+from loopserve.kernels.availability import triton_installed
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 
@@ -186,7 +186,7 @@ def write_kv(
 ) -> None:
     """This pass's K/V into their slots: the Triton kernel (one launch) where it can run, else
     two index writes (padding tokens share null-page slots; nothing reads those)."""
-    if key_cache.is_cuda and _triton_installed():
+    if key_cache.is_cuda and triton_installed():
         from loopserve.kernels.kv_write import write_kv as triton_write_kv
 
         triton_write_kv(k, v, key_cache, value_cache, slot_mapping)
@@ -194,8 +194,3 @@ def write_kv(
     heads, dim = key_cache.shape[-2:]
     key_cache.view(-1, heads, dim)[slot_mapping] = k
     value_cache.view(-1, heads, dim)[slot_mapping] = v
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
