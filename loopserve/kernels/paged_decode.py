@@ -321,9 +321,9 @@ def _launch_decode(
     cos, sin = rope if rope is not None else (q, q)  # q: a placeholder, not read
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
-    rotated = (
-        torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device) if rope else q
-    )
+    rotated = q  # with rope: a scratch with q's strides for the rotated queries (decode_row.py)
+    if rope is not None:
+        rotated = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
     num_kv_heads = key_cache.shape[2]
     k_new, v_new = new_kv if new_kv is not None else (q, q)  # q: a placeholder, not read
     if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
