@@ -18,14 +18,13 @@ and `auto` on a CPU machine without that variable still chooses the torch backen
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
-from loopserve.kernels.availability import triton_installed
+from loopserve.kernels.availability import interpreter_mode, triton_installed
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
@@ -33,11 +32,6 @@ from loopserve.kv.transfer import to_device
 if TYPE_CHECKING:
     from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
     from loopserve.kernels.paged_decode import DecodeWorkspace
-
-
-def interpreter_mode() -> bool:
-    """True when triton is told to interpret kernels on the CPU (the kernel tests' mode)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(slots=True)

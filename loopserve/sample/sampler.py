@@ -3,6 +3,9 @@
 Owns: turning fp32 logits of the rows that exit into tokens. Must not: depend on batch composition
 (every operation is row-wise, and the noise is counter-based per request), or sync with the host.
 Log-probs are those of the model's raw distribution (before temperature and filtering).
+On CUDA with triton, rows choose their tokens in two launches (`kernels/sampling.py`, the torch
+code's twin bit for bit) unless some row filters; the torch code stays the reference and the
+path everywhere else.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.kernels.availability import triton_installed
 from loopserve.kv.transfer import to_device
 from loopserve.sample.noise import gumbel_noise
 from loopserve.sampling_params import SamplingInfo, SamplingParams
@@ -96,16 +100,27 @@ def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The token of each row [R] int64, in torch: the rule `kernels/sampling.py` is held to."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    scaled = logits / batch.temperature[:, None]
+    if batch.needs_filter:
+        scaled = _filter(scaled, batch)
+    noisy = scaled + gumbel_noise(batch.seeds, batch.counters, logits.shape[-1])
+    return torch.where(batch.greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [R, V] fp32 -> tokens and log-probs (zeros when no row asked for log-probs)."""
-    if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
+    if logits.is_cuda and not batch.needs_filter and triton_installed():
+        from loopserve.kernels.sampling import sample_tokens
+
+        tokens = sample_tokens(
+            logits, batch.temperature, batch.greedy, batch.seeds, batch.counters, batch.all_greedy
+        )
     else:
-        scaled = logits / batch.temperature[:, None]
-        if batch.needs_filter:
-            scaled = _filter(scaled, batch)
-        noisy = scaled + gumbel_noise(batch.seeds, batch.counters, logits.shape[-1])
-        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))
+        tokens = choose_tokens(logits, batch)
     if not batch.any_logprobs:
         rows = logits.shape[0]
         nothing = logits.new_zeros(rows, 0)

@@ -35,8 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"kernels"},
     "attention": {"kernels", "kv"},
     "kernels": {"kv"},
-    # small host values reach the device one way; the noise hash has a Triton twin
-    "sample": {"sampling_params", "kv.transfer", "kernels.noise", "kernels.availability"},
+    # small host values reach the device one way; the noise hash and token choice have Triton twins
+    "sample": {"sampling_params", "kv.transfer", "kernels.availability"}
+    | {"kernels.noise", "kernels.sampling"},
     "kv": set(),
     "depth": {"sampling_params", "kv"},
     "config": {"depth", "kv"},
