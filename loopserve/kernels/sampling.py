@@ -27,10 +27,7 @@ from triton.language.extra import libdevice
 from loopserve.kernels.availability import interpreter_mode
 from loopserve.kernels.noise import row_bits, uniform
 
-# Vocabulary ids per phase-1 program (the token does not depend on it: blocks fold in order).
-# Sampled rows hash every id, so small blocks spread that work; greedy rows only read, and at
-# many rows wide blocks waste less on program start-up (H200, 128 greedy rows: 16.1 µs at 1024).
-_BLOCK, _GREEDY_BLOCK = 1024, 4096
+_BLOCK = 1024
 _NO_INDEX = tl.constexpr(2**62)  # index of masked lanes: loses every tie
 # The interpreter has no libdevice; its `tl.log` is numpy's. Compiled, `tl.log` of fp32 may be
 # an approximation (not torch's bits), so the compiled kernel calls libdevice's logf by name.
@@ -111,16 +108,14 @@ def sample_tokens(
         return tokens
     if logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError("sample_tokens needs fp32 logits with a contiguous last dimension")
-    block = _GREEDY_BLOCK if all_greedy and rows > 32 else _BLOCK
-    num_blocks = triton.cdiv(vocab_size, block)
+    num_blocks = triton.cdiv(vocab_size, _BLOCK)
     best = torch.empty((rows, num_blocks), dtype=torch.float32, device=logits.device)
     index = torch.empty((rows, num_blocks), dtype=torch.int64, device=logits.device)
     _block_max_kernel[(rows, num_blocks)](
         logits, temperature, greedy, seeds, counters, best, index,
         values if values is not None else best,
         vocab_size, logits.stride(0), num_blocks,
-        ALL_GREEDY=all_greedy, WRITE_VALUES=values is not None, BLOCK=block,
-        num_warps=8 if block > _BLOCK else 4,
+        ALL_GREEDY=all_greedy, WRITE_VALUES=values is not None, BLOCK=_BLOCK,
     )  # fmt: skip
     _fold_kernel[(rows,)](
         best, index, tokens, num_blocks, BLOCK_BLOCKS=triton.next_power_of_2(num_blocks)

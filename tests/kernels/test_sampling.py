@@ -120,18 +120,3 @@ def test_ouro_vocabulary_on_the_gpu(device: torch.device) -> None:
     noise = gumbel_noise(batch.seeds, batch.counters, vocab_size)
     noisy = logits / batch.temperature[:, None] + noise
     assert torch.equal(values, torch.where(batch.greedy[:, None], logits, noisy))
-
-
-def test_many_greedy_rows_use_wide_blocks_with_the_same_tokens(device: torch.device) -> None:
-    """Over 32 greedy rows the kernel reads 4096 ids a program: ties across those blocks too."""
-    rows, vocab_size = 40, 9000
-    generator = torch.Generator().manual_seed(5)
-    logits = torch.randn(rows, vocab_size, generator=generator)
-    logits[0, [100, 5000, 8999]] = 9.0  # tie across wide blocks
-    logits[1, [4095, 4096]] = 9.0  # tie across the boundary
-    logits[2, 8200] = float("nan")
-    logits = logits.to(device)
-    batch = _batch(rows, device, torch.ones(rows, dtype=torch.bool))
-    tokens = _fused(logits, batch)
-    assert tokens[:3].tolist() == [100, 4095, 8200]
-    assert torch.equal(tokens, choose_tokens(logits, batch))
