@@ -10,20 +10,13 @@ data. Rows of the bucket beyond the active slots are inactive slots and do nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from loopserve.runner.decode_step import DecodeStep, SamplingKind
+from loopserve.runner.graph_capture import Captured, capture
 
 # Padded row counts that get a graph, below the engine's slot count (which is always one too).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
-
-
-@dataclass(slots=True)
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # the step's result record, written by every replay
 
 
 def row_bucket(rows: int, max_rows: int) -> int:
@@ -40,7 +33,7 @@ class GraphedDecodeStep:
     def __init__(self, step: DecodeStep, max_rows: int) -> None:
         self.step = step
         self.max_rows = max_rows
-        self._graphs: dict[tuple[int, SamplingKind], _Captured] = {}
+        self._graphs: dict[tuple[int, SamplingKind], Captured] = {}  # output: the result record
         self._pool = torch.cuda.graph_pool_handle()
 
     @property
@@ -57,22 +50,16 @@ class GraphedDecodeStep:
         if captured is None:
             captured = self._capture(bucket, kind)
             self._graphs[(bucket, kind)] = captured
-        captured.graph.replay()
-        return captured.output[:rows]
+        return captured.replay()[:rows]
 
-    def _capture(self, rows: int, kind: SamplingKind) -> _Captured:
+    def _capture(self, rows: int, kind: SamplingKind) -> Captured:
         state = self.step.state_tensors()
         saved = [tensor.clone() for tensor in state]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Compile kernels and size workspaces outside the capture. The K/V it writes are
-            # written again, identically, by the replay that follows from the restored state.
-            self.step.step(rows, kind)
+
+        def restore() -> None:
+            # The warm-up's K/V are written again, identically, by the replay that follows
+            # from the restored state.
             for tensor, copy in zip(state, saved, strict=True):
                 tensor.copy_(copy)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self.step.step(rows, kind)
-        return _Captured(graph, output)
+
+        return capture(lambda: self.step.step(rows, kind), self._pool, undo_warm_up=restore)

@@ -14,7 +14,6 @@ On the CPU (tests, with triton's interpreter) nothing is captured: the padded pa
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +22,7 @@ from loopserve.attention.paged import PagedAttention
 from loopserve.kv.storage import KVStorage
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.runner.block_tables import BlockTables, PromptPass
+from loopserve.runner.graph_capture import Captured, capture
 
 # Padded token counts that get a graph: at most a quarter of a replay is padding, an eighth from
 # 1024 tokens. Passes beyond the largest bucket that fits `max_tokens` run eagerly.
@@ -34,12 +34,6 @@ def token_bucket(tokens: int, max_tokens: int) -> int | None:
     """The padded token count whose graph runs a pass of `tokens`, None when none is that large
     (graphs are sized for at most `max_tokens`, the prompt tokens a step may hold)."""
     return next((b for b in TOKEN_BUCKETS if tokens <= b and b <= max_tokens), None)
-
-
-@dataclass(slots=True)
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # [bucket, H] the loop's output, written by every replay
 
 
 class GraphedPromptLoop:
@@ -68,7 +62,7 @@ class GraphedPromptLoop:
         self._hidden = torch.zeros((tokens, config.hidden_size), dtype=dtype, device=device)
         self._cos = torch.zeros((tokens, config.head_dim), dtype=dtype, device=device)
         self._sin = torch.zeros_like(self._cos)
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[int, Captured] = {}  # output: [bucket, H] the loop's output
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
@@ -110,25 +104,12 @@ class GraphedPromptLoop:
             return self._loop(bucket, attention)[:tokens]
         captured = self._graphs.get(bucket)
         if captured is None:
-            captured = self._capture(bucket, attention)
+            # The warm-up's K/V are written again, identically, by the replay that follows.
+            captured = capture(lambda: self._loop(bucket, attention), self._pool)
             self._graphs[bucket] = captured
-        captured.graph.replay()
-        return captured.output[:tokens]
+        return captured.replay()[:tokens]
 
     def _loop(self, bucket: int, attention: PagedAttention) -> torch.Tensor:
         """One loop over the static buffers' first `bucket` tokens (what a graph captures)."""
         context = LoopContext(self._cos[:bucket], self._sin[:bucket], attention)
         return self.model.run_loop(self._hidden[:bucket], context)
-
-    def _capture(self, bucket: int, attention: PagedAttention) -> _Captured:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Compile kernels and size workspaces outside the capture. The K/V this writes are
-            # written again, identically, by the replay that follows.
-            self._loop(bucket, attention)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self._loop(bucket, attention)
-        return _Captured(graph, output)
