@@ -1,12 +1,14 @@
 """Batch invariance at Ouro-1.4B's shapes on a CUDA GPU (the GPU tests check it on a small model).
 
-`python scripts/invariance_probe.py [--engine-only]`, from the repository root, prints:
+`python scripts/invariance_probe.py [--engine-only] [--batch-invariant]`, from the repository root,
+prints:
 1. for each weight matmul of a layer and the LM head (cuBLAS bf16, `F.linear` as the model runs
    it), the classes of row counts M whose row 0 gets the same bits: one class means a row's
    result does not depend on how many rows share the matmul;
 2. for the random-weight Ouro-1.4B checkpoint (bf16, `exit_mode=ouro`, the GPU engine tests'
    prompts and sampling settings), whether requests generate alone what they generate in batches
-   of 32 and of 128 (tokens and exit depths), and the first token where they differ.
+   of 32 and of 128 (tokens and exit depths), and the first token where they differ; with
+   `--batch-invariant`, for engines with that setting (kernels/matmul.py).
 Seventh session on the H200 (docs/latency.md, "Batch invariance at full size"): one class for
 every matmul but the down projection (K = 5632), whose bits split at M = 96; alone == in a batch
 of 32, but 2 of 4 requests checked differed in a batch of 128.
@@ -46,7 +48,7 @@ def matmul_classes() -> None:
         print(f"{name:8s} row-0 bit classes over M: " + " / ".join(str(c[1]) for c in classes))
 
 
-def engine_alone_against_batches() -> None:
+def engine_alone_against_batches(batch_invariant: bool) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
     from test_engine_gpu import mixed_params, prompts, run  # the GPU tests' workload
 
@@ -60,7 +62,7 @@ def engine_alone_against_batches() -> None:
         return Engine(
             EngineConfig.from_options(
                 model=str(checkpoint), device="cuda", dtype="bfloat16", exit_mode="ouro",
-                max_num_seqs=128, num_kv_pages=8192,
+                max_num_seqs=128, num_kv_pages=8192, batch_invariant=batch_invariant,
             )
         )  # fmt: skip
 
@@ -82,4 +84,4 @@ def engine_alone_against_batches() -> None:
 if __name__ == "__main__":
     if "--engine-only" not in sys.argv:
         matmul_classes()
-    engine_alone_against_batches()
+    engine_alone_against_batches("--batch-invariant" in sys.argv)

@@ -49,6 +49,7 @@ class EngineSettings:
     gpu_memory_utilization: float  # split evenly between engines that are alive together
     num_kv_pages: int | None  # None: sized from memory
     seed: int
+    batch_invariant: bool = False  # the engine setting of that name
     timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
 
 
@@ -82,6 +83,7 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         cuda_graphs=key.graphs,
         prefix_caching=key.prefix_caching,
         kv_allocation=key.kv_allocation,
+        batch_invariant=settings.batch_invariant,
     )
 
 

@@ -136,6 +136,12 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--temperature", type=float, default=1.0)
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the engine's batch_invariant setting (CUDA: the down projection and exit gate as "
+        "a Triton matmul with one reduction order at every batch size)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +339,7 @@ def _engine_settings(
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_pages=args.num_kv_pages,
         seed=args.seed,
+        batch_invariant=args.batch_invariant,
     )
 
 

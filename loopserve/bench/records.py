@@ -66,6 +66,7 @@ def engine_fields(built: BuiltEngine) -> Record:
         "max_model_len": info.max_model_len,
         "async_scheduling": config.async_scheduling,
         "cuda_graphs_active": info.cuda_graphs,
+        "batch_invariant": config.batch_invariant,
     }
 
 

@@ -24,19 +24,17 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from loopserve.kernels.availability import interpreter_mode
 from loopserve.kernels.noise import row_bits, uniform
 
 _BLOCK = 1024
 _NO_INDEX = tl.constexpr(2**62)  # index of masked lanes: loses every tie
-# The interpreter has no libdevice; its `tl.log` is numpy's. Compiled, `tl.log` of fp32 may be
-# an approximation (not torch's bits), so the compiled kernel calls libdevice's logf by name.
-_INTERPRETED = tl.constexpr(interpreter_mode())
 
 
 @triton.jit
-def _log(x):
-    if _INTERPRETED:
+def _log(x, INTERPRETED: tl.constexpr):
+    """Compiled, `tl.log` of fp32 may be an approximation (not torch's bits), so this calls
+    libdevice's logf by name; the interpreter (CPU tensors) has no libdevice: numpy's log."""
+    if INTERPRETED:
         return tl.log(x)
     else:
         return libdevice.log(x)
@@ -59,7 +57,8 @@ def _block_max_kernel(
     logits_ptr, temperature_ptr, greedy_ptr, seeds_ptr, counters_ptr,
     best_out, index_out, values_out,
     vocab_size, stride_logits, num_blocks,
-    ALL_GREEDY: tl.constexpr, WRITE_VALUES: tl.constexpr, BLOCK: tl.constexpr,
+    ALL_GREEDY: tl.constexpr, WRITE_VALUES: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -70,7 +69,7 @@ def _block_max_kernel(
         values = logits
     else:
         bits = row_bits(tl.load(seeds_ptr + row).to(tl.int64), tl.load(counters_ptr + row))
-        gumbel = -_log(-_log(uniform(bits, vocab)))
+        gumbel = -_log(-_log(uniform(bits, vocab), INTERPRETED), INTERPRETED)
         noisy = tl.math.div_rn(logits, tl.load(temperature_ptr + row)) + gumbel
         values = tl.where(tl.load(greedy_ptr + row) != 0, logits, noisy)
     if WRITE_VALUES:  # tests only: what the argmax ran over
@@ -115,7 +114,8 @@ def sample_tokens(
         logits, temperature, greedy, seeds, counters, best, index,
         values if values is not None else best,
         vocab_size, logits.stride(0), num_blocks,
-        ALL_GREEDY=all_greedy, WRITE_VALUES=values is not None, BLOCK=_BLOCK,
+        ALL_GREEDY=all_greedy, WRITE_VALUES=values is not None,
+        INTERPRETED=logits.device.type == "cpu", BLOCK=_BLOCK,
     )  # fmt: skip
     _fold_kernel[(rows,)](
         best, index, tokens, num_blocks, BLOCK_BLOCKS=triton.next_power_of_2(num_blocks)

@@ -46,6 +46,16 @@ class ModelOps(Protocol):
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
 
+    def down_proj(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu_mul(gate, up) W^T: the MLP's down projection."""
+        ...
+
+    def gate_logit(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """The exit gate's fp32 logit [T, 1] of hidden [T, H] (any dtype; fp32 weight and bias)."""
+        ...
+
 
 class TorchOps:
     rotary_is_fused_ops = False
@@ -67,16 +77,31 @@ class TorchOps:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
+    def down_proj(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.silu_mul(gate, up), weight)
 
-class TritonOps:
-    """Fused kernels; q and k are rotated in place (they are views of a fresh projection)."""
+    def gate_logit(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        return F.linear(hidden.float(), weight, bias)
+
+
+class TritonOps(TorchOps):
+    """Fused kernels; q and k are rotated in place (they are views of a fresh projection). The
+    weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`.
+
+    `batch_invariant`: the down projection (SiLU·up fused in) and the exit gate run as
+    `kernels.matmul`, whose rows have the same bits at every row count; cuBLAS (the default)
+    changes its reduction order with the row count for some shapes (kernels/matmul.py says which).
+    """
 
     rotary_is_fused_ops = True
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         from loopserve.kernels import fused_ops
 
         self._kernels = fused_ops
+        self.batch_invariant = batch_invariant
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return self._kernels.rms_norm(x, norm.weight, norm.eps)
@@ -97,3 +122,19 @@ class TritonOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._kernels.silu_mul(gate, up)
+
+    def down_proj(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().down_proj(gate, up, weight)
+        from loopserve.kernels.matmul import silu_mul_linear
+
+        return silu_mul_linear(gate, up, weight)
+
+    def gate_logit(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().gate_logit(hidden, weight, bias)
+        from loopserve.kernels.matmul import linear
+
+        return linear(hidden, weight, bias)

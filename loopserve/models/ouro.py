@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loopserve.models.ops import ModelOps, TorchOps
@@ -144,7 +143,7 @@ class MLP(nn.Module):
         else:
             assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.silu_mul(gate, up))
+        return ops.down_proj(gate, up, self.down_proj.weight)
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -259,8 +258,7 @@ class OuroForCausalLM(nn.Module):
         """The per-loop exit hazard λ = sigmoid(gate(h)) in fp32. hidden [T, H] -> [T]."""
         gate = self.model.early_exit_gate
         weight, bias = self._gate_fp32 or (gate.weight.float(), gate.bias.float())
-        logit = F.linear(hidden.float(), weight, bias)
-        return torch.sigmoid(logit).squeeze(-1)
+        return torch.sigmoid(self.ops.gate_logit(hidden, weight, bias)).squeeze(-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> fp32 logits [T, V]."""

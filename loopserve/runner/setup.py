@@ -92,8 +92,15 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> O
         model = load_checkpoint(model_dir, dtype, device)
     model.fuse_projections()
     use_triton = triton_installed()
-    if device.type == "cuda" and config.fused_kernels and use_triton:
-        model.ops = TritonOps()
+    fused = device.type == "cuda" and config.fused_kernels and use_triton
+    if config.batch_invariant and not fused:
+        raise ValueError(
+            "batch_invariant needs a CUDA device, fused_kernels on and triton installed "
+            f"(device {device.type}, fused_kernels {config.fused_kernels}, triton "
+            f"{'installed' if use_triton else 'missing'}); leave batch_invariant off here"
+        )
+    if fused:
+        model.ops = TritonOps(batch_invariant=config.batch_invariant)
     logger.info("layer ops: %s", type(model.ops).__name__)
     return model
 

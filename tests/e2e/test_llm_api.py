@@ -126,3 +126,10 @@ def test_the_command_line_takes_the_builtin_model_by_name(
     assert main([*argv, "--json", "--num-kv-pages", "64"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert len(record["token_ids"]) == 3 and record["text"]
+
+
+def test_batch_invariant_needs_the_cuda_kernels() -> None:
+    with pytest.raises(
+        ValueError, match=r"batch_invariant needs a CUDA device.*leave batch_invariant"
+    ):
+        LLM(num_kv_pages=64, device="cpu", batch_invariant=True)

@@ -89,8 +89,10 @@ def test_silu_mul(dtype: torch.dtype, device: torch.device) -> None:
     close(TritonOps().silu_mul(gate, up), TorchOps().silu_mul(gate, up))
 
 
-def test_a_fused_loop_matches_the_torch_loop(device: torch.device) -> None:
-    """Fused projections and fused ops together: one loop of a tiny model, fp32."""
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_fused_loop_matches_the_torch_loop(device: torch.device, batch_invariant: bool) -> None:
+    """Fused projections and fused ops together: one loop of a tiny model and its exit gate,
+    fp32; `batch_invariant` puts the down projection and the gate through kernels/matmul.py."""
     model = OuroForCausalLM(TINY_CONFIG)
     model.load_state_dict(random_state_dict(TINY_CONFIG, seed=4), strict=False)
     model = model.to(device).eval()
@@ -104,7 +106,10 @@ def test_a_fused_loop_matches_the_torch_loop(device: torch.device) -> None:
     context = LoopContext(cos, sin, attention)
     with torch.inference_mode():
         expected = model.run_loop(hidden, context)
+        expected_hazard = model.exit_probability(expected)
         model.fuse_projections()
-        model.ops = TritonOps()
+        model.ops = TritonOps(batch_invariant=batch_invariant)
         actual = model.run_loop(hidden, context)
+        hazard = model.exit_probability(expected)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hazard, expected_hazard, rtol=1e-6, atol=1e-6)
