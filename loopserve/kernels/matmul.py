@@ -33,6 +33,7 @@ def _matmul_kernel(
     M, N, K, stride_a, stride_up, stride_w, stride_out,
     SILU: tl.constexpr, BIAS: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr,  # CPU tensors (the interpreter): dot operands in fp32, see `_launch`
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -44,7 +45,8 @@ def _matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         depth = start + tl.arange(0, BLOCK_K)
-        in_depth = depth < K
+        # A K mask on the contiguous dimension would cost the loads their vector width.
+        in_depth = depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
         a_mask = in_rows[:, None] & in_depth[None, :]
         a = tl.load(a_ptr + a_rows * stride_a + depth[None, :], mask=a_mask, other=0.0)
         if SILU:
@@ -114,7 +116,7 @@ def _launch(
         SILU=up is not None, BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
         # operands are exact for bf16 / fp16 values.
-        UPCAST=a.device.type == "cpu",
+        UPCAST=a.device.type == "cpu", EVEN_K=depth % tile.block_k == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

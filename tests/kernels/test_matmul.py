@@ -32,15 +32,16 @@ def _data(rows: int, depth: int, columns: int, dtype: torch.dtype, device: torch
     return x, weight
 
 
+@pytest.mark.parametrize("depth", [300, 512])  # a K tail in every tiling; none
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_values_are_torch_matmuls(device: torch.device, dtype: torch.dtype) -> None:
-    x, weight = _data(5, 300, 40, dtype, device)  # K and N tails in every tiling
+def test_values_are_torch_matmuls(device: torch.device, dtype: torch.dtype, depth: int) -> None:
+    x, weight = _data(5, depth, 40, dtype, device)  # an N tail too
     expected = x.double() @ weight.double().t()
     tolerance = (
         {"rtol": 1e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     )
     torch.testing.assert_close(linear(x, weight).double(), expected, **tolerance)
-    gate, up = _data(5, 300, 40, dtype, device)[0], _data(5, 300, 41, dtype, device)[0]
+    gate, up = _data(5, depth, 40, dtype, device)[0], _data(5, depth, 41, dtype, device)[0]
     fused = silu_mul_linear(gate, up, weight)
     unfused = torch.nn.functional.silu(gate.double()) * up.double()
     torch.testing.assert_close(fused.double(), unfused @ weight.double().t(), **tolerance)
