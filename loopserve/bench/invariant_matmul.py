@@ -1,8 +1,8 @@
 """What the batch-invariant down projection and exit gate cost against cuBLAS (GPU).
 
 `python -m loopserve.bench.invariant_matmul [--rows 1,8,...] [--out FILE]`: for Ouro-1.4B's down
-projection (SiLU·up fused, `kernels.matmul.silu_mul_linear`, against `fused_ops.silu_mul` then
-cuBLAS, what the engine runs by default) and exit gate (`kernels.matmul.linear` with the bf16
+projection (`kernels.matmul.linear` against cuBLAS, each after `fused_ops.silu_mul`, the same
+launch on both sides and in the timing) and exit gate (`kernels.matmul.gate_logit`, the bf16
 hidden state cast in the kernel, against `.float()` then cuBLAS) at each row count: µs per call
 by CUDA-graph replay over enough weight copies to defeat the 50 MB L2, the bytes each must move
 (weights, activations in and out) and its FLOPs, as TB/s and TFLOP/s and as fractions of the
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from loopserve.bench.calibration import measure_ceilings
 from loopserve.kernels import fused_ops
-from loopserve.kernels.matmul import linear, silu_mul_linear
+from loopserve.kernels.matmul import gate_logit, linear
 
 HIDDEN, INTER = 2048, 5632  # Ouro-1.4B
 L2_BYTES = 50 * 2**20
@@ -52,7 +52,9 @@ def _down(rows: int, copies: int) -> dict[str, float]:
     gate = torch.randn(rows, INTER, device="cuda", dtype=torch.bfloat16)
     up = torch.randn_like(gate)
     return {
-        "invariant_us": _replay_us(lambda: [silu_mul_linear(gate, up, w) for w in weights], copies),
+        "invariant_us": _replay_us(
+            lambda: [linear(fused_ops.silu_mul(gate, up), w) for w in weights], copies
+        ),
         "cublas_us": _replay_us(
             lambda: [F.linear(fused_ops.silu_mul(gate, up), w) for w in weights], copies
         ),
@@ -66,7 +68,7 @@ def _gate(rows: int, copies: int) -> dict[str, float]:
     bias = torch.zeros(1, device="cuda")
     hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
     return {
-        "invariant_us": _replay_us(lambda: [linear(hidden, w, bias) for w in weights], copies),
+        "invariant_us": _replay_us(lambda: [gate_logit(hidden, w, bias) for w in weights], copies),
         "cublas_us": _replay_us(
             lambda: [F.linear(hidden.float(), w, bias) for w in weights], copies
         ),

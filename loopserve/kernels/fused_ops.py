@@ -127,15 +127,6 @@ def _rotary_kernel(
 
 
 @triton.jit
-def silu_times(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up with torch's rounding: the activation rounded to `dtype`, then the product.
-    gate, up: fp32 blocks of `dtype` values. Shared with the down projection that fuses it
-    (kernels/matmul.py), so both give the same bits."""
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (activated * up).to(dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, size, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -143,7 +134,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, size, BL
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * size + cols, silu_times(gate, up, dtype), mask=mask)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * size + cols, (activated * up).to(dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -90,9 +90,9 @@ class TritonOps(TorchOps):
     """Fused kernels; q and k are rotated in place (they are views of a fresh projection). The
     weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`.
 
-    `batch_invariant`: the down projection (SiLU·up fused in) and the exit gate run as
-    `kernels.matmul`, whose rows have the same bits at every row count; cuBLAS (the default)
-    changes its reduction order with the row count for some shapes (kernels/matmul.py says which).
+    `batch_invariant`: the down projection and the exit gate run as `kernels.matmul`, whose rows
+    have the same bits at every row count; cuBLAS (the default) changes its reduction order with
+    the row count for some shapes (kernels/matmul.py says which).
     """
 
     rotary_is_fused_ops = True
@@ -126,15 +126,15 @@ class TritonOps(TorchOps):
     def down_proj(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return super().down_proj(gate, up, weight)
-        from loopserve.kernels.matmul import silu_mul_linear
+        from loopserve.kernels.matmul import linear
 
-        return silu_mul_linear(gate, up, weight)
+        return linear(self.silu_mul(gate, up), weight)
 
     def gate_logit(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
         if not self.batch_invariant:
             return super().gate_logit(hidden, weight, bias)
-        from loopserve.kernels.matmul import linear
+        from loopserve.kernels.matmul import gate_logit
 
-        return linear(hidden, weight, bias)
+        return gate_logit(hidden, weight, bias)
