@@ -18,6 +18,7 @@ import pytest
 from loopserve.entrypoints.cli import build_parser, main
 from loopserve.entrypoints.cli.sampling_args import sampling_params
 from loopserve.sampling_params import SamplingParams
+from tests.server.server_testing import sigint_as_default
 
 CLI = "import sys; from loopserve.entrypoints.cli import main; sys.exit(main())"
 
@@ -167,7 +168,13 @@ def test_ctrl_c_during_generate_is_one_line_and_exit_code_130() -> None:
         sys.executable, "-c", CLI, "--log-level", "info", "generate", "--prompt", "x",
         "--max-tokens", "2000", "--ignore-eos",
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_as_default,
+    )
     assert process.stderr is not None
     try:
         logged = process.stderr.readline()  # the model is loaded: generation starts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,6 +141,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def sigint_as_default() -> None:
+    """`preexec_fn` of a child that must see Ctrl-C: a shell's background job (a CI script started
+    with `&`, say) runs with SIGINT ignored, children inherit that, and Python then leaves it
+    ignored instead of raising KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_serve_process(
     model: Path, port: int, *flags: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
@@ -151,7 +159,11 @@ def start_serve_process(
     ]  # fmt: skip
     environment = {**os.environ, **(env or {})}
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=environment,
+        preexec_fn=sigint_as_default,
     )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and process.poll() is None:
