@@ -3,7 +3,7 @@
 # commit before the change, git-ignored and carried beside the tree:
 #   git worktree add .baseline <commit>    then, carrying `.baseline`:
 #   OUT=$OUT BASELINE=.baseline bash scripts/gpu_latency.sh
-# Parts run in this order; PARTS selects (default: tests budget ab ttft), each under its own timeout:
+# Parts run in this order; PARTS selects (default: tests budget ab ttft), each under a timeout:
 #   tests   pytest -m "gpu or not gpu" $TESTS: the fused step kernels (their CPU tests compiled
 #           for CUDA, and their GPU tests in bf16, eager and graphed), the engine suite (fp32 ==
 #           serial reference, bf16 alone == in a batch, graphs == eager, no sync)
