@@ -81,6 +81,14 @@ def _cpu_has_native_bfloat16() -> bool:
 
 def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> OuroForCausalLM:
     """Weights on the device, projections fused, and the layer ops chosen for the device."""
+    use_triton = triton_installed()
+    fused = device.type == "cuda" and config.fused_kernels and use_triton
+    if config.batch_invariant and not fused:  # before the weights load: a mistake costs nothing
+        raise ValueError(
+            "batch_invariant needs a CUDA device, fused_kernels on and triton installed "
+            f"(device {device.type}, fused_kernels {config.fused_kernels}, triton "
+            f"{'installed' if use_triton else 'missing'}); leave batch_invariant off here"
+        )
     model_config = OuroConfig.from_file(model_dir / "config.json")
     dtype_name = config.dtype
     if dtype_name == "auto":
@@ -91,17 +99,10 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> O
     else:
         model = load_checkpoint(model_dir, dtype, device)
     model.fuse_projections()
-    use_triton = triton_installed()
-    fused = device.type == "cuda" and config.fused_kernels and use_triton
-    if config.batch_invariant and not fused:
-        raise ValueError(
-            "batch_invariant needs a CUDA device, fused_kernels on and triton installed "
-            f"(device {device.type}, fused_kernels {config.fused_kernels}, triton "
-            f"{'installed' if use_triton else 'missing'}); leave batch_invariant off here"
-        )
     if fused:
         model.ops = TritonOps(batch_invariant=config.batch_invariant)
-    logger.info("layer ops: %s", type(model.ops).__name__)
+    invariant = " with batch-invariant matmuls" if config.batch_invariant else ""
+    logger.info("layer ops: %s%s", type(model.ops).__name__, invariant)
     return model
 
 
