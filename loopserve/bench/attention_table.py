@@ -98,7 +98,7 @@ def build(
     return Workload(kv, metadata, q, k, v, kv_bytes)
 
 
-def replay_ms(fn: Callable[[], None], replays: int = REPLAYS) -> float:
+def replay_ms(fn: Callable[[], object], replays: int = REPLAYS) -> float:
     """Median milliseconds of one replay of `fn` captured in a CUDA graph (after a warm-up)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -4,9 +4,10 @@
 projection (`kernels.matmul.linear` against cuBLAS, each after `fused_ops.silu_mul`, the same
 launch on both sides and in the timing) and exit gate (`kernels.matmul.gate_logit`, the bf16
 hidden state cast in the kernel, against `.float()` then cuBLAS) at each row count: µs per call
-by CUDA-graph replay over enough weight copies to defeat the 50 MB L2, the bytes each must move
-(weights, activations in and out) and its FLOPs, as TB/s and TFLOP/s and as fractions of the
-ceilings `bench.calibration` measures on the device. Prints one JSON line per (shape, rows).
+by CUDA-graph replay (`attention_table.replay_ms`, the median) over enough weight copies to
+defeat the 50 MB L2, the bytes each must move (weights, activations in and out) and its FLOPs,
+as TB/s and TFLOP/s and as fractions of the ceilings `bench.calibration` measures on the device.
+Prints one JSON line per (shape, rows).
 Must not: check correctness (tests/kernels/test_matmul.py does).
 """
 
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from loopserve.bench.attention_table import replay_ms
 from loopserve.bench.calibration import measure_ceilings
 from loopserve.kernels import fused_ops
 from loopserve.kernels.matmul import gate_logit, linear
@@ -29,20 +30,10 @@ HIDDEN, INTER = 2048, 5632  # Ouro-1.4B
 L2_BYTES = 50 * 2**20
 
 
-def _replay_us(work: Callable[[], object], copies: int, repeats: int = 20) -> float:
-    """µs per call: a CUDA graph of `copies` calls (each over its own weight copy), replayed."""
-    work()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        work()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats / copies * 1e6
+def _replay_us(work: Callable[[], object], copies: int) -> float:
+    """µs per call: the median replay of a CUDA graph of `copies` calls (each over its own weight
+    copy), divided by `copies`."""
+    return replay_ms(work) * 1e3 / copies
 
 
 def _down(rows: int, copies: int) -> dict[str, float]:
