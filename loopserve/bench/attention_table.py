@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch
 
 from loopserve.attention.base import AttentionBackend, AttentionSpec
 from loopserve.attention.registry import backend_class
+from loopserve.bench.graph_replay import replay_ms
 from loopserve.bench.kernels import KernelShape as Shape
 from loopserve.bench.kernels import kv_bytes_per_layer, paged_pass
 from loopserve.bench.provenance import describe
@@ -47,7 +47,6 @@ DEFAULT_BACKENDS = (
 )
 MIN_WORKING_SET = 512 * 2**20  # bytes of KV per timed replay
 MAX_LAYERS = 64
-REPLAYS = 20
 
 
 @dataclass(slots=True)
@@ -96,29 +95,6 @@ def build(
     layers = layers_for(kv_bytes)
     kv, metadata, q, k, v = paged_pass(seq_lens, query_lens, shape, device, layers, not decode)
     return Workload(kv, metadata, q, k, v, kv_bytes)
-
-
-def replay_ms(fn: Callable[[], object], replays: int = REPLAYS) -> float:
-    """Median milliseconds of one replay of `fn` captured in a CUDA graph (after a warm-up)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles kernels, makes plans and workspaces outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
 
 
 def time_backend(backend: AttentionBackend, work: Workload, with_prepare: bool) -> dict[str, float]:

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from loopserve.bench.decode_sweep_report import BASELINE
+from loopserve.bench.graph_replay import replay_ms
 from loopserve.bench.kernels import (
     SMOKE_SETTINGS,
     BenchSettings,
@@ -185,31 +185,6 @@ def _baseline_step(workload: ShapeWorkload, num_sms: int) -> tuple[Callable[[], 
     return step, splits
 
 
-def graph_timer(step: Callable[[], object], replay_ms: float = 20.0) -> float:
-    """Median ms of one replay of a CUDA graph of `step` (compiled and warmed up first)."""
-    step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[float] = []
-    replays = 3
-    while len(times) < replays:
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-        replays = max(3, min(100, int(replay_ms / max(times[0], 1e-3))))
-    del graph
-    return statistics.median(times[1:] if len(times) > 3 else times)
-
-
 def measure(
     workload: ShapeWorkload, variant: Variant, rows: int, context: int, sweep: Sweep
 ) -> dict[str, object]:
@@ -226,7 +201,7 @@ def measure(
         record["covers_programs_per_sm"] = list(variant.covers)
     try:
         step, splits = _step(workload, variant, sweep.num_sms)
-        timer = graph_timer if sweep.settings.device.type == "cuda" else _wall_ms
+        timer = replay_ms if sweep.settings.device.type == "cuda" else _wall_ms
         seconds = timer(step) / 1e3 / workload.layers
         assert workload.reference is not None
         reference = workload.reference.float()

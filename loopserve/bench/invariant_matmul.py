@@ -4,7 +4,7 @@
 projection (`kernels.matmul.linear` against cuBLAS, each after `fused_ops.silu_mul`, the same
 launch on both sides and in the timing) and exit gate (`kernels.matmul.gate_logit`, the bf16
 hidden state cast in the kernel, against `.float()` then cuBLAS) at each row count: µs per call
-by CUDA-graph replay (`attention_table.replay_ms`, the median) over enough weight copies to
+by CUDA-graph replay (`graph_replay.replay_ms`, the median) over enough weight copies to
 defeat the 50 MB L2, the bytes each must move (weights, activations in and out) and its FLOPs,
 as TB/s and TFLOP/s and as fractions of the ceilings `bench.calibration` measures on the device.
 Prints one JSON line per (shape, rows).
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loopserve.bench.attention_table import replay_ms
 from loopserve.bench.calibration import measure_ceilings
+from loopserve.bench.graph_replay import replay_ms
 from loopserve.kernels import fused_ops
 from loopserve.kernels.matmul import gate_logit, linear
 
