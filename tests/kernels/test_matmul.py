@@ -14,8 +14,8 @@ import torch
 
 from loopserve.kernels.matmul import Tiling, gate_logit, linear, tiling_for
 
-# Row counts that reach every tiling bucket (16-bit: up to 16, up to 256, beyond).
-ROW_COUNTS = (1, 3, 16, 17, 64, 65, 257, 300)
+# Row counts that reach every tiling bucket (16-bit: up to 16, up to 128, beyond).
+ROW_COUNTS = (1, 3, 16, 17, 64, 65, 128, 129, 300)
 TILINGS = (
     Tiling(16, 16, 256, 4, 4),
     Tiling(64, 16, 128, 4, 3),
@@ -60,7 +60,7 @@ def test_rows_have_their_alone_bits_at_every_row_count(
     device: torch.device, dtype: torch.dtype
 ) -> None:
     x, weight = _data(ROW_COUNTS[-1], 200, 40, dtype, device)
-    alone = {row: linear(x[row : row + 1], weight)[0] for row in (0, 15, 16, 63, 64, 256, 299)}
+    alone = {row: linear(x[row : row + 1], weight)[0] for row in (0, 15, 16, 63, 64, 128, 299)}
     for rows in ROW_COUNTS:
         out = linear(x[:rows], weight)
         for row, bits in alone.items():
@@ -103,7 +103,7 @@ def test_ouro_down_projection_and_gate_on_the_gpu(device: torch.device) -> None:
         )
         for row in (0, 1, 15, 16, 63, 64, 255, 256, 1000, 2047)
     }
-    for rows in (1, 2, 16, 17, 48, 64, 96, 128, 256, 257, 512, 1000, 2048):
+    for rows in (1, 2, 16, 17, 48, 64, 96, 128, 129, 256, 257, 512, 1000, 2048):
         down = linear(x[:rows], weight)
         logit = gate_logit(hidden[:rows], gate_weight, bias)
         for row, (down_bits, logit_bits) in alone.items():
