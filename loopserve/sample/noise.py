@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from loopserve.kernels.availability import triton_installed
+from loopserve.kernels.availability import compiled_for
 
 _MASK32 = 0xFFFFFFFF
 
@@ -47,7 +47,7 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel draws [R, V] fp32: argmax(logits + g) samples softmax(logits). On CUDA
     with triton the uniform draws come from the hash's one-launch twin (the same bits)."""
-    if seeds.device.type == "cuda" and triton_installed():
+    if compiled_for(seeds):
         from loopserve.kernels.noise import uniform_noise as fused_uniform_noise
 
         uniform = fused_uniform_noise(seeds, counters, vocab_size)

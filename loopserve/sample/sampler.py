@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loopserve.kernels.availability import triton_installed
+from loopserve.kernels.availability import compiled_for
 from loopserve.kv.transfer import to_device
 from loopserve.sample.noise import gumbel_noise
 from loopserve.sampling_params import SamplingInfo, SamplingParams
@@ -113,7 +113,7 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [R, V] fp32 -> tokens and log-probs (zeros when no row asked for log-probs)."""
-    if logits.is_cuda and not batch.needs_filter and triton_installed():
+    if compiled_for(logits) and not batch.needs_filter:
         from loopserve.kernels.sampling import sample_tokens
 
         tokens = sample_tokens(

@@ -25,7 +25,7 @@ import torch
 
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
 from loopserve.attention.flashinfer.prefill import FA3_HEAD_SIZES, PagedPrefill, PrefillPlan
-from loopserve.kernels.availability import triton_installed
+from loopserve.kernels.availability import compiled_for
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 
@@ -186,7 +186,7 @@ def write_kv(
 ) -> None:
     """This pass's K/V into their slots: the Triton kernel (one launch) where it can run, else
     two index writes (padding tokens share null-page slots; nothing reads those)."""
-    if key_cache.is_cuda and triton_installed():
+    if compiled_for(key_cache):
         from loopserve.kernels.kv_write import write_kv as triton_write_kv
 
         triton_write_kv(k, v, key_cache, value_cache, slot_mapping)
