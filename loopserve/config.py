@@ -162,7 +162,7 @@ class EngineConfig:
     batch_invariant: bool = setting(
         False,
         "CUDA: a request's tokens never depend on its batch, at any batch size: the down "
-        "projection and exit gate run as a Triton matmul with one reduction order (cuBLAS, the "
+        "projection runs as a Triton matmul with one reduction order (cuBLAS, the "
         "default, keeps that only up to some batch size per shape: 64 rows for Ouro-1.4B on an "
         "H200); needs fused_kernels and triton",
     )

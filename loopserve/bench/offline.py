@@ -139,8 +139,8 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="the engine's batch_invariant setting (CUDA: the down projection and exit gate as "
-        "a Triton matmul with one reduction order at every batch size)",
+        help="the engine's batch_invariant setting (CUDA: the down projection as a Triton "
+        "matmul with one reduction order at every batch size)",
     )
 
 

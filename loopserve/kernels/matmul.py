@@ -11,10 +11,12 @@ tiling to the same row alone, bit for bit (GPU), and the values to torch's (CPU 
 Why: cuBLAS picks its kernel, and for some shapes its split of K, by M. At Ouro-1.4B's down
 projection (K = 5,632) on the H200 rows of 96 or more get other bits than rows of up to 64, so a
 request in a large batch can generate other tokens than alone (docs/latency.md, "Batch
-invariance at full size"). The engine's `batch_invariant` setting runs the down projection and
-the exit gate here (the other weight matmuls keep one order at every M under cuBLAS, which
-tests/gpu/test_invariance_full_size.py checks). SiLU·up stays its own launch: computed in this
-kernel's prologue, every column block recomputed it for its rows (4x slower at one row).
+invariance at full size"). The engine's `batch_invariant` setting runs the down projection here
+(the other weight matmuls keep one order at every M under cuBLAS, which
+tests/gpu/test_invariance_full_size.py checks); the exit gate runs here wherever the layer ops
+are fused (`models.ops.TritonOps`), being faster than cuBLAS's fp32 GEMV at every row count.
+SiLU·up stays its own launch: computed in this kernel's prologue, every column block recomputed
+it for its rows (4x slower at one row).
 """
 
 from __future__ import annotations

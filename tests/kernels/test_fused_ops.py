@@ -92,7 +92,8 @@ def test_silu_mul(dtype: torch.dtype, device: torch.device) -> None:
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_a_fused_loop_matches_the_torch_loop(device: torch.device, batch_invariant: bool) -> None:
     """Fused projections and fused ops together: one loop of a tiny model and its exit gate,
-    fp32; `batch_invariant` puts the down projection and the gate through kernels/matmul.py."""
+    fp32 (the gate through kernels/matmul.py); `batch_invariant` puts the down projection there
+    too."""
     model = OuroForCausalLM(TINY_CONFIG)
     model.load_state_dict(random_state_dict(TINY_CONFIG, seed=4), strict=False)
     model = model.to(device).eval()
