@@ -84,9 +84,9 @@ def decode_step_census(layers: int, rows: int) -> Census:
     )  # fmt: skip
     engine = Engine(config, build_runner(config, model=model))
     for row in range(rows):
-        prompt = list(range(5, 45 + row))
+        prompt = list(range(5, 13 + row))
         engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    for _ in range(6):  # prompts done, every row decoding
+    for _ in range(3):  # prompts done, every row decoding
         engine.step()
     census = Census(layers=layers, rows=rows)
     with torch.no_grad(), _counting(census):
