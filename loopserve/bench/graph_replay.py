@@ -11,19 +11,15 @@ from collections.abc import Callable
 
 import torch
 
+from loopserve.runner.graph_capture import capture
+
 
 def replay_ms(fn: Callable[[], object], budget_ms: float = 20.0) -> float:
-    """Median milliseconds of one replay of `fn` captured in a CUDA graph. `fn` runs once on a
-    side stream first (compiles kernels, makes plans and workspaces outside the capture), the
-    graph replays three times untimed, then as often as fits `budget_ms` (3 to 100 times)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Median milliseconds of one replay of `fn` captured in a CUDA graph (`runner.graph_capture`:
+    `fn` runs once on a side stream first, so kernels compile and plans and workspaces are made
+    outside the capture); the graph replays three times untimed, then as often as fits
+    `budget_ms` (3 to 100 times)."""
+    graph = capture(fn, pool=None).graph
     for _ in range(3):
         graph.replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -33,7 +33,8 @@ class GraphedDecodeStep:
     def __init__(self, step: DecodeStep, max_rows: int) -> None:
         self.step = step
         self.max_rows = max_rows
-        self._graphs: dict[tuple[int, SamplingKind], Captured] = {}  # output: the result record
+        # Output of each graph: the step's result record.
+        self._graphs: dict[tuple[int, SamplingKind], Captured[torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     @property
@@ -52,7 +53,7 @@ class GraphedDecodeStep:
             self._graphs[(bucket, kind)] = captured
         return captured.replay()[:rows]
 
-    def _capture(self, rows: int, kind: SamplingKind) -> Captured:
+    def _capture(self, rows: int, kind: SamplingKind) -> Captured[torch.Tensor]:
         state = self.step.state_tensors()
         saved = [tensor.clone() for tensor in state]
 

@@ -2,33 +2,36 @@
 
 Owns: `capture` (a warm-up run on a side stream, so kernels compile and workspaces are sized
 outside the capture; an optional undo of what the warm-up changed; then the capture into a
-shared memory pool) and `Captured` (the graph and the output tensor every replay rewrites). Used
-by the decode step's graphs (`runner/cuda_graphs.py`) and the prompt loop's
-(`runner/prompt_graphs.py`). Must not: decide what is captured or when.
+shared memory pool) and `Captured` (the graph and the output every replay rewrites). Used by the
+decode step's graphs (`runner/cuda_graphs.py`), the prompt loop's (`runner/prompt_graphs.py`)
+and the benchmarks' replay timer (`bench/graph_replay.py`). Must not: decide what is captured or
+when.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
+Output = TypeVar("Output")
+
 
 @dataclass(slots=True)
-class Captured:
+class Captured(Generic[Output]):
     graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # written by every replay
+    output: Output  # written by every replay
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> Output:
         self.graph.replay()
         return self.output
 
 
 def capture(
-    work: Callable[[], torch.Tensor], pool: Any, undo_warm_up: Callable[[], None] | None = None
-) -> Captured:
+    work: Callable[[], Output], pool: Any, undo_warm_up: Callable[[], None] | None = None
+) -> Captured[Output]:
     """`work` captured into a graph whose memory comes from `pool`. `work` runs once first, on a
     side stream, then `undo_warm_up` (there too) restores whatever state that run changed."""
     side = torch.cuda.Stream()

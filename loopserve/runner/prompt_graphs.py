@@ -62,7 +62,8 @@ class GraphedPromptLoop:
         self._hidden = torch.zeros((tokens, config.hidden_size), dtype=dtype, device=device)
         self._cos = torch.zeros((tokens, config.head_dim), dtype=dtype, device=device)
         self._sin = torch.zeros_like(self._cos)
-        self._graphs: dict[int, Captured] = {}  # output: [bucket, H] the loop's output
+        # Output of each graph: [bucket, H] the loop's output.
+        self._graphs: dict[int, Captured[torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
