@@ -1,9 +1,9 @@
-"""The decode step's bookkeeping in two launches: a prologue before the loop, a coda after it.
+"""The decode step's bookkeeping in three launches: a prologue, an exit decision, a coda.
 
 Owns: `prologue` (which rows run, the decode plane, the attention metadata's device tensors, the
-RoPE rows of each position and the loop's input hidden state) and `coda` (the exit decision, the
-stop test, the result record, every slot-state update and the copy-on-exit slots). Must not:
-define a rule of its own. Each line here is the Triton twin of a torch rule that stays the
+RoPE rows of each position and the loop's input hidden state), `decide` (the exit decision) and
+`coda` (the stop test, the result record, every slot-state update and the copy-on-exit slots).
+Must not: define a rule of its own. Each line here is the Triton twin of a torch rule that stays the
 reference and the CPU path: `depth.policy.runs` / `after_loop` / `advance`, `depth.exit_test`,
 `kv.layout.KVLayout.decode_plane` / `copy_on_exit_target`, `BlockTables.decode_metadata`, the
 embed-or-hidden select, stop test, record and state updates of `runner.decode_step`.
@@ -16,8 +16,10 @@ rounds first), so exits agree bit for bit. RoPE angles are not
 computed here: the prologue gathers rows of a table the model's own `rope` computed once for
 every position (elementwise torch ops, so each row has the bits `rope` gives that position).
 
-One program per row; only `no_refill`'s "does any row of the cohort still run" reads other rows,
-and the prologue writes its results to fresh tensors, so programs never race.
+The exit decision (`decide`) is its own launch between the loop and the LM head, which computes
+only the rows that exit. One program per row; only `no_refill`'s "does any row of the cohort
+still run" reads other rows, and the prologue and `decide` write to fresh tensors, so programs
+never race.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.depth.policy import LoopOutcome
 from loopserve.kv.pages import NULL_PAGE
 
 # SlotRule values (depth.policy; a test checks they agree). constexpr: triton reads no other
@@ -91,14 +94,46 @@ def _prologue_kernel(
 
 
 @triton.jit
+def _decide_kernel(
+    ran_ptr, hazard_ptr, loop_ptr, min_loops_ptr, max_loops_ptr, rule_ptr, threshold_ptr,
+    survival_ptr, stop_next_ptr, trace_ptr, count_ptr, exited_out, survival_out, test_out,
+    trace_width,
+):  # fmt: skip
+    """policy.after_loop with exit_test's arithmetic: whether each row exits (before the LM head,
+    which computes only exiting rows), its survival after this loop and whether the test held."""
+    row = tl.program_id(0).to(tl.int64)
+    ran = tl.load(ran_ptr + row) != 0
+    loop = tl.load(loop_ptr + row)
+    rule = tl.load(rule_ptr + row)
+    survival = tl.load(survival_ptr + row)
+    stop_next = tl.load(stop_next_ptr + row) != 0
+    count = tl.load(count_ptr + row)
+    decode_index = tl.minimum(tl.maximum(count - 1, 0), trace_width - 1)
+    trace_depth = tl.load(trace_ptr + row * trace_width + decode_index).to(tl.int64)
+    at_max = loop >= tl.load(max_loops_ptr + row)
+    gate = rule == _GATE
+    delayed = rule == _DELAYED_GATE
+    evaluate = ran & (gate | (delayed & ~stop_next)) & ~at_max
+    hazard = tl.load(hazard_ptr + row)
+    survival = tl.where(evaluate, survival * (1.0 - hazard), survival)
+    threshold = tl.load(threshold_ptr + row)
+    test = evaluate & ((1.0 - survival) >= threshold) & (loop >= tl.load(min_loops_ptr + row))
+    traced = (rule == _TRACE) & (loop >= trace_depth)
+    exited = ran & (at_max | traced | (gate & test) | (delayed & stop_next))
+    tl.store(exited_out + row, exited)
+    tl.store(survival_out + row, survival)
+    tl.store(test_out + row, test)
+
+
+@triton.jit
 def _coda_kernel(
-    ran_ptr, waiting_ptr, hazard_ptr, tokens_ptr, logprobs_ptr, top_ids_ptr, top_logprobs_ptr,
-    out_ptr, active_ptr, state_waiting_ptr, loop_ptr, min_loops_ptr, max_loops_ptr, rule_ptr,
-    threshold_ptr, survival_ptr, stop_next_ptr, trace_ptr, count_ptr, max_tokens_ptr,
+    ran_ptr, waiting_ptr, exited_ptr, new_survival_ptr, test_ptr, tokens_ptr, logprobs_ptr,
+    top_ids_ptr, top_logprobs_ptr, out_ptr, active_ptr, state_waiting_ptr, loop_ptr,
+    max_loops_ptr, rule_ptr, survival_ptr, stop_next_ptr, count_ptr, max_tokens_ptr,
     stop_ids_ptr, token_ptr, position_ptr, hidden_ptr, tables_ptr,
     record_out, source_out, destination_out,
     num_planes, num_pages, block_size, null_slot, hidden_size, stride_out, stride_ids, stride_top,
-    trace_width, num_stop_ids, record_width,
+    num_stop_ids, record_width,
     NO_REFILL: tl.constexpr, COPIES: tl.constexpr, TOP: tl.constexpr,
     BLOCK_TOP: tl.constexpr, BLOCK_STOPS: tl.constexpr, BLOCK_PLANES: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
@@ -107,25 +142,14 @@ def _coda_kernel(
     ran = tl.load(ran_ptr + row) != 0
     waiting = tl.load(waiting_ptr + row) != 0
     loop = tl.load(loop_ptr + row)
-    min_loops = tl.load(min_loops_ptr + row)
     max_loops = tl.load(max_loops_ptr + row)
-    rule = tl.load(rule_ptr + row)
-    threshold = tl.load(threshold_ptr + row)
-    survival = tl.load(survival_ptr + row)
+    delayed = tl.load(rule_ptr + row) == _DELAYED_GATE
     stop_next = tl.load(stop_next_ptr + row) != 0
     count = tl.load(count_ptr + row)
-    decode_index = tl.minimum(tl.maximum(count - 1, 0), trace_width - 1)
-    trace_depth = tl.load(trace_ptr + row * trace_width + decode_index).to(tl.int64)
-    # policy.after_loop with exit_test's arithmetic
-    at_max = loop >= max_loops
-    gate = rule == _GATE
-    delayed = rule == _DELAYED_GATE
-    evaluate = ran & (gate | (delayed & ~stop_next)) & ~at_max
-    hazard = tl.load(hazard_ptr + row)
-    survival = tl.where(evaluate, survival * (1.0 - hazard), survival)
-    test = evaluate & ((1.0 - survival) >= threshold) & (loop >= min_loops)
-    traced = (rule == _TRACE) & (loop >= trace_depth)
-    exited = ran & (at_max | traced | (gate & test) | (delayed & stop_next))
+    # policy.after_loop's outcome (the decide launch)
+    exited = tl.load(exited_ptr + row) != 0
+    survival = tl.load(new_survival_ptr + row)
+    test = tl.load(test_ptr + row) != 0
     # the stop test
     token = tl.load(tokens_ptr + row)
     count += exited.to(tl.int64)
@@ -279,16 +303,34 @@ class DecodeKernels:
         )  # fmt: skip
         return start
 
+    def decide(self, start: Prologue, hazard: torch.Tensor) -> LoopOutcome:
+        """policy.after_loop for rows [0, rows): [rows] tensors, fresh each step; `hazard` fp32."""
+        state, device = self.state, self.tables.device
+        rows = start.ran.shape[0]
+        outcome = LoopOutcome(
+            exited=torch.empty(rows, dtype=torch.bool, device=device),
+            survival=torch.empty(rows, dtype=torch.float32, device=device),
+            test=torch.empty(rows, dtype=torch.bool, device=device),
+        )
+        trace = state.trace_depths
+        _decide_kernel[(rows,)](
+            start.ran, hazard, state.loop, state.min_loops, state.max_loops, state.rule,
+            state.threshold, state.survival, state.stop_next, trace, state.output_count,
+            outcome.exited, outcome.survival, outcome.test, trace.shape[1],
+            enable_fp_fusion=False,  # 1 - S * (1 - λ): torch rounds S before the difference
+        )  # fmt: skip
+        return outcome
+
     def coda(
         self,
         start: Prologue,
+        outcome: LoopOutcome,  # `decide`'s
         out: torch.Tensor,  # [rows, H] the loop's output
-        hazard: torch.Tensor,  # [rows] fp32
         sampled: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         record_width: int,
     ) -> Coda:
-        """Decide exits and update the state of slots [0, rows) in place. `sampled`: tokens [rows]
-        int64, their logprobs [rows] fp32, top ids [rows, K] int64, top logprobs [rows, K] fp32."""
+        """Update the state of slots [0, rows) in place. `sampled`: tokens [rows] int64, their
+        logprobs [rows] fp32, top ids [rows, K] int64, top logprobs [rows, K] fp32."""
         state, device = self.state, self.tables.device
         tokens, logprobs, top_ids, top_logprobs = sampled
         rows, top = start.ran.shape[0], top_ids.shape[1]
@@ -296,21 +338,19 @@ class DecodeKernels:
         planes = self.num_planes if self.full_layout else 0
         source = torch.empty(rows * planes, dtype=torch.int64, device=device)
         destination = torch.empty(rows * planes, dtype=torch.int64, device=device)
-        stop_ids, trace = state.stop_ids, state.trace_depths
+        stop_ids = state.stop_ids
         _coda_kernel[(rows,)](
-            start.ran, start.waiting, hazard, tokens, logprobs, top_ids, top_logprobs, out,
-            state.active, state.waiting, state.loop, state.min_loops, state.max_loops, state.rule,
-            state.threshold, state.survival, state.stop_next, trace,
-            state.output_count, state.max_tokens, stop_ids, state.token, state.position,
-            state.hidden, self.tables,
+            start.ran, start.waiting, outcome.exited, outcome.survival, outcome.test, tokens,
+            logprobs, top_ids, top_logprobs, out, state.active, state.waiting, state.loop,
+            state.max_loops, state.rule, state.survival, state.stop_next, state.output_count,
+            state.max_tokens, stop_ids, state.token, state.position, state.hidden, self.tables,
             record, source, destination,
             self.num_planes, self.num_pages, self.block_size, NULL_PAGE * self.block_size,
             self.hidden_size, out.stride(0), top_ids.stride(0), top_logprobs.stride(0),
-            trace.shape[1], stop_ids.shape[1], record_width,
+            stop_ids.shape[1], record_width,
             NO_REFILL=self.no_refill, COPIES=self.full_layout, TOP=top,
             BLOCK_TOP=triton.next_power_of_2(max(top, 1)),
             BLOCK_STOPS=triton.next_power_of_2(stop_ids.shape[1]),
             BLOCK_PLANES=triton.next_power_of_2(self.num_planes), BLOCK_HIDDEN=self.block_hidden,
-            enable_fp_fusion=False,  # 1 - S * (1 - λ): torch rounds S before the difference
         )  # fmt: skip
         return Coda(record, (source, destination) if self.full_layout else None)

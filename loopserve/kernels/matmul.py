@@ -1,7 +1,8 @@
 """Batch-invariant matmuls: row bits that never depend on how many rows share the call.
 
-Owns: `linear` (x [M, K] times W [N, K] transposed, in W's dtype), `gate_logit` (the exit gate's
-fp32 h·w + b, one program per row) and the tiling each row count gets. Must not: split K, or
+Owns: `linear` (x [M, K] times W [N, K] transposed, rounded to W's dtype; optionally only the
+rows a mask asks for), `gate_logit` (the exit gate's fp32 h·w + b, one program per row) and the
+tiling each row count gets. Must not: split K, or
 reduce a row in an order that depends on M. In `linear` each output is one program's fp32
 accumulator over K in order, chunk after chunk, each chunk a `tl.dot` (the tensor cores add
 16-wide k slices in order), so the tiling (block rows, columns, depth) may change with M while a
@@ -17,6 +18,15 @@ tests/gpu/test_invariance_full_size.py checks); the exit gate runs here wherever
 are fused (`models.ops.TritonOps`), being faster than cuBLAS's fp32 GEMV at every row count.
 SiLU·up stays its own launch: computed in this kernel's prologue, every column block recomputed
 it for its rows (4x slower at one row).
+
+The LM head runs here wherever the layer ops are fused (`models.ops.TritonOps`), with `rows`: a
+decode step needs logits only for the rows whose token exits after this loop (at fixed depth 4
+and one row, one step in four), and cuBLAS cannot be told to skip work from a device mask inside
+a CUDA graph. A program whose rows are all unwanted stores zeros and returns before reading any
+weight; wanted rows keep an unmasked call's bits, because the mask never enters the K loop (two
+versions that put it there, as a trip count or as load masks, gave other bits per tiling on the
+H200). tests/kernels/test_matmul.py holds the rows to one set of bits at every M, with and
+without a mask.
 """
 
 from __future__ import annotations
@@ -30,14 +40,26 @@ import triton.language as tl
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, w_ptr, out_ptr, M, N, K, stride_a, stride_w, stride_out, IEEE: tl.constexpr,
+    a_ptr, w_ptr, out_ptr, want_ptr, M, N, K, stride_a, stride_w, stride_out,
+    IEEE: tl.constexpr,
     UPCAST: tl.constexpr,  # CPU tensors (the interpreter): dot operands in fp32, see `linear`
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows, in_cols = rows < M, cols < N
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    out_mask = in_rows[:, None] & in_cols[None, :]
+    wanted = in_rows
+    if MASKED:
+        wanted = in_rows & (tl.load(want_ptr + rows, mask=in_rows, other=0) != 0)
+        if tl.max(wanted.to(tl.int32), axis=0) == 0:  # no row wanted: no weight read
+            tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), out_ptr.dtype.element_ty), mask=out_mask)
+            return
+    # The loop never sees the mask (loads and trip count as unmasked; a mask inside it compiled
+    # to other bits on the H200), so a wanted row has an unmasked call's bits.
     a_rows = rows.to(tl.int64)[:, None]
     w_cols = cols.to(tl.int64)[None, :] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -56,8 +78,13 @@ def _matmul_kernel(
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
+    # Rounded to W's dtype first, so an fp32 output holds what `F.linear(...).float()` would.
+    value = tl.where(wanted[:, None], acc.to(w_ptr.dtype.element_ty), 0.0)
+    tl.store(out, value.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# Columns from which a weight counts as wide (an LM head) for `tiling_for`.
+WIDE = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +102,15 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype) -> Tiling:
     over ~128 programs with enough bytes in flight each (the best of eight tilings at one and at
     128 rows of Ouro-1.4B's down projection on the H200); more than 128 rows: square-ish blocks,
     whose weight tiles are not re-read per 16 rows (at 512 rows 47.6 µs against the thin blocks'
-    59.6 at 256; the best tiling here is unmeasured)."""
+    59.6 at 256; the best tiling here is unmeasured). Wide weights (the LM head, 49,152 columns):
+    the best of ten tilings at 1 to 128 rows on the H200 (docs/latency.md, "The LM head only
+    where a row exits")."""
     if dtype == torch.float32:  # the engine's exactness runs; fp32 dots have no fast path
         return Tiling(16 if rows <= 16 else 32, 32, 32, 4, 2)
+    if columns >= WIDE:
+        if rows <= 16:
+            return Tiling(16, 32, 256, 4, 3)
+        return Tiling(64, 128, 64, 4, 3) if rows <= 64 else Tiling(128, 128, 64, 8, 3)
     if rows <= 16:
         return Tiling(16, 16, 256, 4, 4)
     if rows <= 128:
@@ -89,8 +122,10 @@ def linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K], x's dtype
     tiling: Tiling | None = None,
+    rows_wanted: torch.Tensor | None = None,  # [M] bool: compute these rows, zeros elsewhere
+    out_dtype: torch.dtype | None = None,  # default W's; the values are rounded to W's first
 ) -> torch.Tensor:
-    """x W^T, [M, N] in W's dtype."""
+    """x W^T, [M, N]."""
     rows, depth = x.shape
     columns = weight.shape[0]
     if weight.shape[1] != depth or weight.dtype != x.dtype:
@@ -100,17 +135,21 @@ def linear(
         )
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("linear needs x and W with a contiguous last dimension")
-    out = torch.empty((rows, columns), dtype=weight.dtype, device=x.device)
+    wanted = rows_wanted
+    if wanted is not None and (wanted.shape != (rows,) or wanted.dtype != torch.bool):
+        raise ValueError(f"linear's rows_wanted must be a [{rows}] bool mask")
+    out = torch.empty((rows, columns), dtype=out_dtype or weight.dtype, device=x.device)
     if rows == 0:
         return out
     tile = tiling or tiling_for(rows, columns, weight.dtype)
     grid = (triton.cdiv(columns, tile.block_n), triton.cdiv(rows, tile.block_m))
+    masked = rows_wanted is not None
     _matmul_kernel[grid](
-        x, weight, out, rows, columns, depth, x.stride(0), weight.stride(0), out.stride(0),
-        IEEE=weight.dtype == torch.float32,
+        x, weight, out, rows_wanted if masked else x, rows, columns, depth, x.stride(0),
+        weight.stride(0), out.stride(0), IEEE=weight.dtype == torch.float32,
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
         # operands are exact for bf16 / fp16 values.
-        UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0,
+        UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0, MASKED=masked,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

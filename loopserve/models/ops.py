@@ -56,6 +56,13 @@ class ModelOps(Protocol):
         """The exit gate's fp32 logit [T, 1] of hidden [T, H] (any dtype; fp32 weight and bias)."""
         ...
 
+    def lm_head(
+        self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """fp32 logits [T, V] of hidden [T, H] (rounded to the model dtype first); `rows` [T]
+        bool: only those rows' logits are needed, the others are 0."""
+        ...
+
 
 class TorchOps:
     rotary_is_fused_ops = False
@@ -85,12 +92,20 @@ class TorchOps:
     ) -> torch.Tensor:
         return F.linear(hidden.float(), weight, bias)
 
+    def lm_head(
+        self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        logits = F.linear(hidden, weight).float()
+        return logits if rows is None else torch.where(rows[:, None], logits, 0.0)
+
 
 class TritonOps(TorchOps):
     """Fused kernels; q and k are rotated in place (they are views of a fresh projection). The
     exit gate is `kernels.matmul.gate_logit` (one program a row: 1.9–4.0 µs on the H200 where
     cuBLAS's fp32 GEMV and the cast before it took 6.9–16.4, and a row's bits never depend on the
-    row count). The weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`.
+    row count), and the LM head `kernels.matmul.linear`, which computes only the rows asked for (a
+    decode step's exiting rows) and gives a row the same bits at every row count. The layer's
+    weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`.
 
     `batch_invariant`: the down projection runs as `kernels.matmul.linear`, whose rows have the
     same bits at every row count; cuBLAS (the default) changes its reduction order with the row
@@ -138,3 +153,10 @@ class TritonOps(TorchOps):
         from loopserve.kernels.matmul import gate_logit
 
         return gate_logit(hidden, weight, bias)
+
+    def lm_head(
+        self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        from loopserve.kernels.matmul import linear
+
+        return linear(hidden, weight, rows_wanted=rows, out_dtype=torch.float32)

@@ -260,6 +260,9 @@ class OuroForCausalLM(nn.Module):
         weight, bias = self._gate_fp32 or (gate.weight.float(), gate.bias.float())
         return torch.sigmoid(self.ops.gate_logit(hidden, weight, bias)).squeeze(-1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> fp32 logits [T, V]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [T, H] -> fp32 logits [T, V]; `rows` [T] bool: only those rows' are needed (the
+        others are 0, and the fused ops skip their work)."""
+        return self.ops.lm_head(hidden, self.lm_head.weight, rows)

@@ -14,7 +14,8 @@ coda, twins of the torch code here, which stays the reference (tests/kernels/tes
 holds them bit for bit) and the path everywhere else; the copy-on-exit then runs as one launch
 (`kernels/kv_copy.py`), and RoPE runs inside the decode attention kernel where the backend
 can (`decode_rotary`) and the model's ops rotate as that kernel does (`rotary_is_fused_ops`).
-The model, the exit gate, the LM head and sampling run as torch on both paths.
+The exit decision comes before the LM head, which computes only the exiting rows' logits (the
+others are 0): with the fused ops a step where no row exits reads none of the LM head's weights.
 """
 
 from __future__ import annotations
@@ -212,9 +213,10 @@ class DecodeStep:
         plane = self.layout.decode_plane(row.loop, row.max_loops)
         metadata = self.block_tables.decode_metadata(ran, plane, position, self._host_lengths)
         cos, sin = self.model.rope(position)
-        out, hazard, sampled = self._loop(rows, kind, hidden, cos, sin, metadata)
+        out, hazard = self._loop(hidden, cos, sin, metadata)
         outcome = policy.after_loop(row, ran, hazard)
         exited = outcome.exited
+        sampled = self._choose(rows, kind, out, exited)
         if self.layout.copies_on_exit:
             self._copy_on_exit(rows, exited, row, position)
         count = self.output_count[:rows] + exited.long()
@@ -247,10 +249,12 @@ class DecodeStep:
         if self.backend.decode_rotary and self.model.ops.rotary_is_fused_ops:
             # RoPE inside the decode kernel (one launch less a layer), with the ops' own bits.
             metadata = dataclasses.replace(metadata, rope=(start.cos, start.sin))
-        out, hazard, sampled = self._loop(rows, kind, start.hidden, start.cos, start.sin, metadata)
+        out, hazard = self._loop(start.hidden, start.cos, start.sin, metadata)
+        outcome = kernels.decide(start, hazard)
+        sampled = self._choose(rows, kind, out, outcome.exited)
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
         columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
-        coda = kernels.coda(start, out, hazard, columns, width)
+        coda = kernels.coda(start, outcome, out, columns, width)
         if coda.copies is not None:
             from loopserve.kernels.kv_copy import copy_kv_slots
 
@@ -263,20 +267,25 @@ class DecodeStep:
 
     def _loop(
         self,
-        rows: int,
-        kind: SamplingKind,
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor, SampleResult]:
-        """The loop itself, the exit hazard λ and the sampled token of every row."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loop itself and the exit hazard λ of every row."""
         attention = PagedAttention(self.backend, self.kv, metadata)
         context = LoopContext(cos, sin, attention, attention_rotates=attention.rotates)
         out = self.model.run_loop(hidden, context)  # [rows, H]
-        hazard = self.model.exit_probability(out)
-        logits = self.model.compute_logits(out)  # [rows, V], used only where a row exits
-        return out, hazard, sample(logits, self._sampling_batch(rows, kind))
+        return out, self.model.exit_probability(out)
+
+    def _choose(
+        self, rows: int, kind: SamplingKind, out: torch.Tensor, exited: torch.Tensor
+    ) -> SampleResult:
+        """The next token of every row. Only exiting rows' tokens are used, so only their logits
+        are computed (the others are 0, and the fused LM head skips their weights: in a step
+        where no row exits, all of them)."""
+        logits = self.model.compute_logits(out, rows=exited)  # [rows, V]
+        return sample(logits, self._sampling_batch(rows, kind))
 
     def _row_depth(self, rows: int) -> RowDepth:
         width = self.trace_depths.shape[1]

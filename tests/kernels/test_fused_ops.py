@@ -114,3 +114,27 @@ def test_a_fused_loop_matches_the_torch_loop(device: torch.device, batch_invaria
         hazard = model.exit_probability(expected)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hazard, expected_hazard, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_computes_the_rows_asked_for(device: torch.device, dtype: torch.dtype) -> None:
+    """Both ops give fp32 logits rounded to the model dtype, zeros for rows not asked for, and the
+    asked-for rows' values whatever the mask (the Triton one: their bits)."""
+    torch.manual_seed(3)
+    hidden = torch.randn(6, 64).to(device=device, dtype=dtype)
+    weight = (0.1 * torch.randn(300, 64)).to(device=device, dtype=dtype)
+    wanted = torch.tensor([True, False, False, True, False, True], device=device)
+    for ops in (TorchOps(), TritonOps()):
+        every = ops.lm_head(hidden, weight, None)
+        some = ops.lm_head(hidden, weight, wanted)
+        assert every.dtype == some.dtype == torch.float32
+        assert torch.equal(every, every.to(dtype).float())  # rounded to the model dtype
+        assert torch.equal(some[wanted], every[wanted]) and not some[~wanted].any()
+        assert not ops.lm_head(hidden, weight, torch.zeros_like(wanted)).any()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        TritonOps().lm_head(hidden, weight, None),
+        TorchOps().lm_head(hidden, weight, None),
+        rtol=tolerance,
+        atol=tolerance,
+    )

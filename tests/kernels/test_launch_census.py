@@ -25,5 +25,6 @@ def test_launches_per_layer_and_per_step_do_not_grow() -> None:
     # (1: on a GPU the torch copy it replaced ran two kernels per layer, which the census does
     # not see) and the host's read of the record.
     assert two.by_op["triton:_prologue_kernel"] == 1 and two.by_op["triton:_coda_kernel"] == 1
+    assert two.by_op["triton:_decide_kernel"] == 1 and two.by_op["triton:_matmul_kernel"] == 1
     assert two.by_op["triton:_copy_kv_slots_kernel"] == 1
     assert one.launches - layer <= 14, one.by_site.most_common(20)

@@ -78,6 +78,25 @@ def test_the_tiling_never_changes_the_bits(device: torch.device) -> None:
         assert torch.equal(result, results[0]), tiling
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_wanted_keeps_their_bits_and_zeroes_the_rest(
+    device: torch.device, dtype: torch.dtype
+) -> None:
+    """Two row blocks (17 rows, 16-row blocks): one with some rows wanted, one with none (its
+    program returns before reading weights); the wanted rows have an unmasked call's bits, and an
+    fp32 output holds the W-dtype values."""
+    x, weight = _data(17, 96, 40, dtype, device)
+    wanted = torch.zeros(17, dtype=torch.bool, device=device)
+    wanted[[0, 5, 15]] = True
+    tiling = Tiling(16, 16, 32, 4, 2)
+    every = linear(x, weight, tiling)
+    some = linear(x, weight, tiling, rows_wanted=wanted, out_dtype=torch.float32)
+    assert some.dtype == torch.float32
+    assert torch.equal(some[wanted], every[wanted].float()) and not some[~wanted].any()
+    with pytest.raises(ValueError, match="bool mask"):
+        linear(x, weight, rows_wanted=wanted[:5])
+
+
 def test_refuses_shapes_it_cannot_multiply(device: torch.device) -> None:
     x, weight = _data(2, 64, 16, torch.bfloat16, device)
     with pytest.raises(ValueError, match=r"W must be \[N, K\] of x's dtype"):
@@ -111,3 +130,23 @@ def test_ouro_down_projection_and_gate_on_the_gpu(device: torch.device) -> None:
                 assert torch.equal(down[row], down_bits), f"down: row {row} of {rows}"
                 assert torch.equal(logit[row], logit_bits), f"gate: row {row} of {rows}"
     torch.testing.assert_close(down, torch.nn.functional.linear(x, weight), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_ouro_lm_head_on_the_gpu(device: torch.device) -> None:
+    """Ouro-1.4B's LM head (49,152 columns, the wide tilings): a row's bits alone and inside up to
+    128 rows (three tilings) are the same, with a mask (rows asked for among others not) and
+    without; values are cuBLAS's to bf16 rounding."""
+    x, weight = _data(128, 2048, 49152, torch.bfloat16, device)
+    alone = {row: linear(x[row : row + 1], weight)[0] for row in (0, 15, 16, 63, 64, 127)}
+    for rows in (1, 2, 16, 17, 32, 64, 65, 128):
+        wanted = torch.arange(rows, device=device) % 3 == 0
+        out = linear(x[:rows], weight)
+        masked = linear(x[:rows], weight, rows_wanted=wanted)
+        assert not masked[~wanted].any()
+        for row, bits in alone.items():
+            if row < rows:
+                assert torch.equal(out[row], bits), f"row {row} of {rows}"
+                if row % 3 == 0:
+                    assert torch.equal(masked[row], bits), f"masked row {row} of {rows}"
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=2e-2, atol=2e-2)

@@ -71,12 +71,14 @@ class FakeLoopedModel:
         loops = hidden[:, 0].long().tolist()
         return torch.tensor([self.hazards.get(loop, 0.0) for loop in loops])
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         vocab = self.config.vocab_size
         following = (hidden[:, 1].long() + 1) % vocab
         logits = torch.full((hidden.shape[0], vocab), -30.0)
         logits[torch.arange(hidden.shape[0]), following] = 0.0
-        return logits
+        return logits if rows is None else torch.where(rows[:, None], logits, 0.0)
 
 
 @dataclass
