@@ -18,10 +18,11 @@ def test_launches_per_layer_and_per_step_do_not_grow() -> None:
     # k fused), two residual-add + norm kernels, SiLU * up.
     assert layer == 8, two.by_op
     assert "triton:_rotary_kernel" not in two.by_op and two.by_op["triton:_decode_kernel"] == 2
-    # Per step: may only shrink. The decode step's prologue and coda kernels (depth policy,
-    # metadata, RoPE rows, loop input; exit decision, stop test, record, state, copy-on-exit
-    # slots: 126 launches before they were fused), the loop's first norm, the exit gate (its
-    # row kernel and the sigmoid), the LM head (2), greedy sampling, the copy-on-exit K/V copy
+    # Per step: may only shrink. The decode step's prologue, decide and coda kernels (depth
+    # policy, metadata, RoPE rows, loop input; exit decision; stop test, record, state,
+    # copy-on-exit slots: 126 launches before they were fused), the loop's first norm, the exit
+    # gate (its row kernel and the sigmoid), the LM head (1, fp32 out, skipping rows that do not
+    # exit), greedy sampling, the copy-on-exit K/V copy
     # (1: on a GPU the torch copy it replaced ran two kernels per layer, which the census does
     # not see) and the host's read of the record.
     assert two.by_op["triton:_prologue_kernel"] == 1 and two.by_op["triton:_coda_kernel"] == 1
