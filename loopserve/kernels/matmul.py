@@ -19,14 +19,13 @@ are fused (`models.ops.TritonOps`), being faster than cuBLAS's fp32 GEMV at ever
 SiLU·up stays its own launch: computed in this kernel's prologue, every column block recomputed
 it for its rows (4x slower at one row).
 
-The LM head runs here wherever the layer ops are fused (`models.ops.TritonOps`), with `rows`: a
-decode step needs logits only for the rows whose token exits after this loop (at fixed depth 4
-and one row, one step in four), and cuBLAS cannot be told to skip work from a device mask inside
-a CUDA graph. A program whose rows are all unwanted stores zeros and returns before reading any
-weight; wanted rows keep an unmasked call's bits, because the mask never enters the K loop (two
-versions that put it there, as a trip count or as load masks, gave other bits per tiling on the
-H200). tests/kernels/test_matmul.py holds the rows to one set of bits at every M, with and
-without a mask.
+The LM head runs here wherever the layer ops are fused (`models.ops.TritonOps`), with `rows_wanted`:
+a decode step needs logits only for the rows whose token exits after this loop (at fixed depth 4 and
+one row, one step in four), and cuBLAS cannot be told to skip work from a device mask inside a CUDA
+graph. A program whose rows are all unwanted stores zeros and returns before reading any weight;
+wanted rows keep an unmasked call's bits, because the mask never enters the K loop (two versions
+that put it there, as a trip count or as load masks, gave other bits per tiling on the H200).
+tests/kernels/test_matmul.py holds the rows to one set of bits at every M, with and without a mask.
 """
 
 from __future__ import annotations
