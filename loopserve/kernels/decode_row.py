@@ -2,7 +2,7 @@
 shared among programs, and the new token's K/V (and RoPE) before the row is read.
 
 Owns: the partition rule's arithmetic on the device (`decode_plan.py` states it), the split of a
-row's partitions among its programs, the fused K/V write. Must not:
+row's partitions among its programs, the fused K/V write and the rotated-query scratch. Must not:
 launch anything (kernels/paged_decode.py's kernels call these).
 """
 
@@ -92,3 +92,18 @@ def write_new_kv(
         value_cache_ptr + destination, tl.load(v_new_ptr + source + dims, mask=mask), mask=mask
     )
     tl.debug_barrier()  # the program's own stores are visible to all its threads' loads after
+
+
+@triton.jit
+def rotated_query(
+    q_ptr, rotated_ptr, cos_ptr, sin_ptr, q_rows, head_valid,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """This program's query heads, rotated, into `rotated_ptr` (a scratch twin of q with q's
+    strides: every program of a row writes the same bits there, so sharing it is safe), visible
+    to the program's threads after."""
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = head_valid[:, None] & (dims < HEAD_DIM)
+    rotated = rotate_half(q_ptr + q_rows[:, None], cos_ptr, sin_ptr, dims, mask, HEAD_DIM // 2)
+    tl.store(rotated_ptr + q_rows[:, None] + dims, rotated, mask=mask)
+    tl.debug_barrier()

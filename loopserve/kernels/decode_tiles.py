@@ -21,8 +21,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loopserve.kernels.fused_ops import rotate_half
-
 
 @triton.jit
 def _load_kv(
@@ -103,15 +101,6 @@ def tile_dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _query(q_ptrs, cos_ptr, sin_ptr, dims, mask, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
-    """The query values at `q_ptrs + dims` in q's dtype; with ROTARY rotated in registers by
-    `fused_ops.rotate_half` (the bits `rotary_qk_` would have stored)."""
-    if ROTARY:
-        return rotate_half(q_ptrs, cos_ptr, sin_ptr, dims, mask, HEAD_DIM // 2)
-    return tl.load(q_ptrs + dims, mask=mask, other=0.0)
-
-
-@triton.jit
 def _lane_step(lane_max, lane_sum, acc, q, k, v, valid, MASKED: tl.constexpr):
     """One tile into the lanes' online softmax: (max [N], sum [N], acc [N, D]) -> updated."""
     scores = tl.sum(k.to(tl.float32) * q, axis=1)  # [BLOCK_N], log2 units (q is pre-scaled)
@@ -146,8 +135,6 @@ def _lane_flush(
 @triton.jit
 def lane_tiles(
     q_ptrs,  # [1] this program's query head
-    cos_ptr,  # the token's RoPE row (read only with ROTARY)
-    sin_ptr,
     k_ptr,  # this KV head of the key cache
     v_ptr,
     table_row_ptr,
@@ -169,7 +156,6 @@ def lane_tiles(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    ROTARY: tl.constexpr,  # q is unrotated: rotate it on the way in
 ):
     """One query head on CUDA cores: lane n of the tile keeps its own online softmax over tokens
     n, n + BLOCK_N, ... of the partition; lanes are merged once, at the partition's end, so the
@@ -179,8 +165,8 @@ def lane_tiles(
     # q broadcast over the tile's lanes, loaded as a [BLOCK_N, BLOCK_D] tile so that it gets the
     # K tile's layout (each lane's dims within one warp): the q·k sums then need no shared memory.
     q_offsets = tl.zeros([BLOCK_N], tl.int32)[:, None] + dims[None, :]
-    q = _query(q_ptrs, cos_ptr, sin_ptr, q_offsets, q_offsets < HEAD_DIM, HEAD_DIM, ROTARY)
-    q = q.to(tl.float32) * scale_log2
+    q_mask = q_offsets < HEAD_DIM
+    q = tl.load(q_ptrs + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale_log2
     lane_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -232,8 +218,6 @@ def _dot_step(
 @triton.jit
 def dot_tiles(
     q_ptrs,  # [H] this program's query heads
-    cos_ptr,  # the token's RoPE row (read only with ROTARY)
-    sin_ptr,
     head_valid,  # [H] heads of the KV group (the rest pad the dot to 16 rows)
     k_ptr,  # this KV head of the key cache
     v_ptr,
@@ -258,14 +242,13 @@ def dot_tiles(
     NUM_STAGES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    ROTARY: tl.constexpr,  # q is unrotated: rotate it on the way in
 ):
     """HEADS query heads of one KV group on tensor cores: a FlashAttention-2 step per tile
     (q·kᵀ and p·v with `tl.dot`, fp32 accumulation, p rounded to the input dtype for p·v).
     Every tile is masked (a separate partial-tile step would cost registers: 206 vs 124)."""
     dims = tl.arange(0, BLOCK_D)
     q_mask = head_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = _query(q_ptrs[:, None], cos_ptr, sin_ptr, dims[None, :], q_mask, HEAD_DIM, ROTARY)
+    q = tl.load(q_ptrs[:, None] + dims[None, :], mask=q_mask, other=0.0)  # [H, BLOCK_D]
     running_max = tl.full([HEADS], float("-inf"), tl.float32)
     running_sum = tl.zeros([HEADS], tl.float32)
     acc = tl.zeros([HEADS, BLOCK_D], tl.float32)

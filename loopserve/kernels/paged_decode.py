@@ -3,8 +3,8 @@
 Owns: the decode kernel (a program streams its partitions of a row; it can store the row's new
 K/V first, rotating q and k on the way, and it combines the row itself when it is the row's only
 program), the combine kernel for rows whose partitions were shared out, and the workspace they
-share. The tiling, partition and split rules are `decode_plan.py`; a row's partitions and its K/V
-write are `decode_row.py`; the tile loops (which rotate q in registers) and the fold are
+share. The tiling, partition and split rules are `decode_plan.py`; a row's partitions, its K/V
+write and its rotated query are `decode_row.py`; the tile loops and the fold are
 `decode_tiles.py`. Must not:
 read host copies of lengths or sync with the device; the launch grid depends only on the number
 of rows and on shapes, so a decode step can be captured in a CUDA graph for a fixed padded row
@@ -36,6 +36,7 @@ from loopserve.kernels.decode_row import (
     decode_row,
     partition_doublings,
     program_tiles,
+    rotated_query,
     write_new_kv,
 )
 from loopserve.kernels.decode_tiles import combine_partials, dot_tiles, lane_tiles
@@ -80,6 +81,7 @@ def _decode_kernel(
     slot_mapping_ptr,  # [T] int64
     cos_ptr,  # [T, D] RoPE rows of the pass's tokens (read only with ROTARY)
     sin_ptr,
+    rotated_ptr,  # [T, Nq, D] scratch for the rotated queries (ROTARY), q's strides
     out_ptr,  # [T, Nq, D]
     partial_out_ptr,  # [S, Nq, parts, D] fp32
     partial_max_ptr,  # [S, Nq, parts] fp32
@@ -136,37 +138,41 @@ def _decode_kernel(
     num_tiles, tail, num_parts, owns_last = program_tiles(
         seq_len, split, num_split_programs, part_size, tile_shift, BLOCK_N
     )
-    cos_row = cos_ptr + token * stride_angle  # the token's RoPE rows (read only with ROTARY)
-    sin_row = sin_ptr + token * stride_angle
+    angles = token * stride_angle
     if WRITE_KV:
         write_new_kv(
             k_new_ptr, v_new_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-            cos_row, sin_row, token, kv_head, owns_last, stride_new_token,
+            cos_ptr + angles, sin_ptr + angles, token, kv_head, owns_last, stride_new_token,
             stride_new_head, stride_cache_page, stride_cache_offset, stride_cache_head,
             BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROTARY,
         )  # fmt: skip
     q_rows = token * stride_q_token + heads * stride_q_head  # [H]
+    if ROTARY:
+        rotated_query(
+            q_ptr, rotated_ptr, cos_ptr + angles, sin_ptr + angles, q_rows,
+            in_group < tl.where(query_len == 1, GROUP, 0), HEAD_DIM, BLOCK_D,
+        )  # fmt: skip
+        q_ptr = rotated_ptr
     partial_rows = row.to(tl.int64) * stride_partial_row + heads * stride_partial_head  # [H]
     scalar_rows = row.to(tl.int64) * stride_scalar_row + heads * stride_scalar_head  # [H]
     table_row_ptr = page_table_ptr + row.to(tl.int64) * stride_table_row
     kv_head_offset = kv_head * stride_cache_head
-    k_head_ptr, v_head_ptr = key_cache_ptr + kv_head_offset, value_cache_ptr + kv_head_offset
     if TENSOR_CORES:
         dot_tiles(
-            q_ptr + q_rows, cos_row, sin_row, in_group < GROUP, k_head_ptr, v_head_ptr,
-            table_row_ptr, partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
-            partial_sum_ptr + scalar_rows, scale_log2, seq_len, part_size, split,
-            num_split_programs, num_tiles, tile_shift, stride_cache_page, stride_cache_offset,
-            BLOCK_SIZE, HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, INPUT_PRECISION, UPCAST,
-            ROTARY,
+            q_ptr + q_rows, in_group < GROUP, key_cache_ptr + kv_head_offset,
+            value_cache_ptr + kv_head_offset, table_row_ptr, partial_out_ptr + partial_rows,
+            partial_max_ptr + scalar_rows, partial_sum_ptr + scalar_rows, scale_log2, seq_len,
+            part_size, split, num_split_programs, num_tiles, tile_shift, stride_cache_page,
+            stride_cache_offset, BLOCK_SIZE, HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
+            INPUT_PRECISION, UPCAST,
         )  # fmt: skip
     else:  # HEADS == 1
         lane_tiles(
-            q_ptr + q_rows, cos_row, sin_row, k_head_ptr, v_head_ptr, table_row_ptr,
-            partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
+            q_ptr + q_rows, key_cache_ptr + kv_head_offset, value_cache_ptr + kv_head_offset,
+            table_row_ptr, partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
             partial_sum_ptr + scalar_rows, scale_log2, seq_len, part_size, split,
             num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
-            stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, ROTARY,
+            stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
         )  # fmt: skip
     finish = _finishes_row(
         arrivals_ptr + row.to(tl.int64) * stride_arrivals_row + tl.program_id(1), split,
@@ -315,6 +321,9 @@ def _launch_decode(
     cos, sin = rope if rope is not None else (q, q)  # q: a placeholder, not read
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
+    rotated = q  # with rope: a scratch with q's strides for the rotated queries (decode_row.py)
+    if rope is not None:
+        rotated = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
     num_kv_heads = key_cache.shape[2]
     k_new, v_new = new_kv if new_kv is not None else (q, q)  # q: a placeholder, not read
     if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1:
@@ -328,7 +337,7 @@ def _launch_decode(
     _decode_kernel[grid](
         q, k_new, v_new, key_cache, value_cache,
         metadata.query_start, metadata.seq_lens, metadata.page_table, metadata.slot_mapping,
-        cos, sin, out, partial_out, partial_max, workspace.partial_sum, workspace.arrivals,
+        cos, sin, rotated, out, partial_out, partial_max, workspace.partial_sum, workspace.arrivals,
         scale * LOG2_E, num_split_programs,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
