@@ -78,6 +78,8 @@ TILING_CANDIDATES: dict[str, DecodeTiling] = {
     "lanes-n32-w4-s3-p32": _lanes(partition_min=32),
     "lanes-n16-w4-s3-p32": _lanes(block_n=16, partition_min=32),
     "lanes-n32-w4-s3-p256": _lanes(partition_min=256),
+    "lanes-n32-w4-s3-p512": _lanes(partition_min=512),
+    "lanes-n32-w4-s3-p1024": _lanes(partition_min=1024),
     "dots-n64-w4-s3": DOTS,
     "dots-n32-w4-s3": _dots(block_n=32),
     "dots-n64-w8-s3": _dots(num_warps=8),
