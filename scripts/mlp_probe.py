@@ -144,10 +144,10 @@ def thin_gate_up_kernel(
     x_ptr, wgu_ptr, h_ptr, rows, HIDDEN: tl.constexpr, INNER: tl.constexpr, BM: tl.constexpr,
     BI: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Rows [0, rows) of x (rows <= BM, padded to BM: every row count runs the same dots) times
+    """Row block program_id(1) of x (BM rows, padded: every row count runs the same dots) times
     BI gate and BI up columns on tensor cores; SiLU*up as the epilogue."""
     j = tl.program_id(0) * BI + tl.arange(0, BI)
-    m = tl.arange(0, BM)
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
     ks = tl.arange(0, BK)
     acc_gate = tl.zeros([BM, BI], tl.float32)
     acc_up = tl.zeros([BM, BI], tl.float32)
@@ -166,20 +166,40 @@ def thin_gate_up_kernel(
 
 @triton.jit
 def thin_down_kernel(
-    h_ptr, wd_ptr, y_ptr, rows, HIDDEN: tl.constexpr, INNER: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
+    h_ptr, wd_ptr, y_ptr, partial_ptr, arrivals_ptr, rows, HIDDEN: tl.constexpr,
+    INNER: tl.constexpr, MAX_ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    m = tl.arange(0, BM)
+    """Output columns block program_id(0), K slice program_id(1) of SPLIT (fixed by the shape),
+    row block program_id(2). With SPLIT > 1 each program stores its fp32 partial and the last of
+    a block's SPLIT programs to arrive folds them in slice order (the same bits whoever folds)."""
+    block = tl.program_id(0)
+    n = block * BN + tl.arange(0, BN)
+    m = tl.program_id(2) * BM + tl.arange(0, BM)
     ks = tl.arange(0, BK)
+    in_rows = (m < rows)[:, None]
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in tl.range(0, INNER, BK, num_stages=STAGES):
-        h = tl.load(h_ptr + m[:, None] * INNER + k0 + ks[None, :], mask=(m < rows)[:, None])
+    SLICE: tl.constexpr = INNER // SPLIT
+    first = tl.program_id(1) * SLICE
+    for k0 in tl.range(first, first + SLICE, BK, num_stages=STAGES):
+        h = tl.load(h_ptr + m[:, None] * INNER + k0 + ks[None, :], mask=in_rows)
         w = tl.load(wd_ptr + n[None, :] * INNER + k0 + ks[:, None])  # [BK, BN]
         acc = _tile_dot(h, w, acc, UPCAST)
-    tl.store(
-        y_ptr + m[:, None] * HIDDEN + n[None, :], acc.to(tl.bfloat16), mask=(m < rows)[:, None]
-    )
+    out = y_ptr + m[:, None] * HIDDEN + n[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(tl.bfloat16), mask=in_rows)
+    else:
+        cell = m[:, None] * HIDDEN + n[None, :]
+        tl.store(partial_ptr + tl.program_id(1) * MAX_ROWS * HIDDEN + cell, acc, mask=in_rows)
+        tl.debug_barrier()  # every thread's partial stores precede the release
+        counter = arrivals_ptr + tl.program_id(2) * (HIDDEN // BN) + block
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            total = tl.zeros([BM, BN], tl.float32)
+            for part in tl.static_range(SPLIT):
+                partial = partial_ptr + part * MAX_ROWS * HIDDEN + cell
+                total += tl.load(partial, mask=in_rows, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(tl.bfloat16), mask=in_rows)
 
 
 @dataclass(frozen=True)
@@ -191,6 +211,15 @@ class Blocks:
     stages: int
 
 
+@dataclass(frozen=True)
+class Thin:
+    bm: int  # rows a block (every row count is padded to whole blocks)
+    bk: int  # columns a gate/up tile
+    bk2: int  # columns a down tile
+    stages: int
+    split: int = 1  # K slices of the down projection (fixed by the shape, not the rows)
+
+
 @dataclass
 class Layers:
     gate_up: list[torch.Tensor]  # [2 * INNER, HIDDEN] each
@@ -199,6 +228,8 @@ class Layers:
     h: torch.Tensor  # [LAYERS, MAX_ROWS, INNER]
     y: torch.Tensor  # [LAYERS, MAX_ROWS, HIDDEN]
     arrivals: torch.Tensor  # [LAYERS] int32
+    partials: torch.Tensor  # [4, MAX_ROWS, HIDDEN] fp32, the down projection's K slices
+    down_arrivals: torch.Tensor  # [MAX_ROWS, HIDDEN // 16] int32, 0 between launches
 
 
 def chain(layers: Layers, rows: int) -> None:
@@ -208,16 +239,18 @@ def chain(layers: Layers, rows: int) -> None:
         layers.y[layer, :rows] = F.linear(h, layers.down[layer])
 
 
-def thin(layers: Layers, rows: int, bk: int, stages: int, block_rows: int = MAX_ROWS) -> None:
+def thin(layers: Layers, rows: int, t: Thin) -> None:
     upcast = layers.x.device.type == "cpu"
+    row_blocks = -(-rows // t.bm)
     for layer in range(LAYERS):
-        thin_gate_up_kernel[(INNER // 16,)](
-            layers.x, layers.gate_up[layer], layers.h[layer], rows, HIDDEN, INNER, block_rows,
-            16, bk, stages, upcast,
+        thin_gate_up_kernel[(INNER // 16, row_blocks)](
+            layers.x, layers.gate_up[layer], layers.h[layer], rows, HIDDEN, INNER, t.bm, 16,
+            t.bk, t.stages, upcast,
         )  # fmt: skip
-        thin_down_kernel[(HIDDEN // 16,)](
-            layers.h[layer], layers.down[layer], layers.y[layer], rows, HIDDEN, INNER,
-            block_rows, 16, bk, stages, upcast,
+        thin_down_kernel[(HIDDEN // 16, t.split, row_blocks)](
+            layers.h[layer], layers.down[layer], layers.y[layer], layers.partials,
+            layers.down_arrivals, rows, HIDDEN, INNER, MAX_ROWS, t.bm, 16, t.bk2, t.stages,
+            t.split, upcast,
         )  # fmt: skip
 
 
@@ -257,6 +290,8 @@ def main(path: str, parts: list[str]) -> None:
         h=torch.empty(LAYERS, MAX_ROWS, INNER, device=device, dtype=dtype),
         y=torch.empty(LAYERS, MAX_ROWS, HIDDEN, device=device, dtype=dtype),
         arrivals=torch.zeros(LAYERS, device=device, dtype=torch.int32),
+        partials=torch.empty(4, MAX_ROWS, HIDDEN, device=device),
+        down_arrivals=torch.zeros(MAX_ROWS, HIDDEN // 16, device=device, dtype=torch.int32),
     )
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     megabytes = LAYERS * 3 * INNER * HIDDEN * 2 / 1e6
@@ -282,18 +317,18 @@ def main(path: str, parts: list[str]) -> None:
         for rows in ROW_COUNTS:
             record("cublas+silu_mul", rows, functools.partial(chain, layers, rows))
         if "thin" in parts:
-            alone: dict[tuple[int, int], torch.Tensor] = {}
-            for bk, stages, rows in itertools.product((64, 128, 256), (3, 4, 5), ROW_COUNTS):
-                if bk * stages > 1024:  # 256 x 5: more shared memory than an SM has
-                    continue
-                fn = functools.partial(thin, layers, rows, bk, stages)
-                fn()
-                first = alone.setdefault((bk, stages), layers.y[:, 0].clone())
-                same = torch.equal(layers.y[:, 0], first)  # row 0's bits as when alone
-                record("thin", rows, fn, bk=bk, stages=stages, row0_as_alone=same)
-            for rows, bk, stages in itertools.product((1, 8), (64, 128, 256), (3, 4)):
-                fn = functools.partial(thin, layers, rows, bk, stages, 16)
-                record("thin_bm16", rows, fn, bk=bk, stages=stages)
+            thins = [Thin(64, bk, bk, stages) for bk in (64, 128, 256) for stages in (3, 4, 5)]
+            thins = [t for t in thins if t.bk * t.stages <= 1024]  # 256 x 5: out of shared memory
+            thins += [Thin(16, 256, 256, 4, split) for split in (1, 2)]
+            thins += [Thin(16, 256, 128, 4, 4), Thin(64, 256, 128, 4, 4), Thin(64, 256, 256, 4, 2)]
+            for t in thins:
+                alone = None
+                for rows in ROW_COUNTS:
+                    fn = functools.partial(thin, layers, rows, t)
+                    fn()
+                    alone = layers.y[:, 0].clone() if alone is None else alone
+                    same = torch.equal(layers.y[:, 0], alone)  # row 0's bits as when alone
+                    record("thin", rows, fn, row0_as_alone=same, **dataclasses.asdict(t))
         if "two" in parts:
             for sizes in itertools.product((16, 8), (256, 512), (16, 8), (256, 512), (2, 3)):
                 b = Blocks(*sizes)
