@@ -1,21 +1,27 @@
-"""Probe (GPU): what a decode MLP at M = 1 costs when its matmuls are our own GEMV kernels, and
+"""Probe (GPU): what a decode MLP costs at 1-64 rows when its matmuls are our own kernels, and
 whether one persistent kernel (a grid barrier between gate/up and down) beats two launches.
 
 Not part of the package and not the engine's kernels: 24 layers of Ouro-1.4B-shaped bf16
-weights (hidden 2,048, inner 5,632; 1.66 GB, so the L2 holds none of it), x of one row. Three
-variants, each captured in one CUDA graph over the 24 layers (`bench.graph_replay.replay_ms`):
-- today's chain: cuBLAS gate/up (`F.linear`), `kernels/fused_ops.silu_mul`, cuBLAS down;
-- two Triton launches: a gate/up GEMV whose program owns BI gate rows and the matching BI up
-  rows, so SiLU*up is its epilogue (rounded as the chain rounds: each matmul output to bf16,
-  SiLU to bf16, the product to bf16), then a down GEMV (BN output rows a program); CUDA-core
-  FMAs with fp32 sums over BK-wide tiles, `tl.range` software pipelining;
-- one persistent launch of `programs` programs (all resident): the gate/up blocks, an arrival
-  counter per layer (acq_rel atomics, then a spin), the down blocks; PREFETCH loads the first
-  down tile before the barrier.
+weights (hidden 2,048, inner 5,632; 1.66 GB, so the L2 holds none of it). Each variant is
+captured in one CUDA graph over the 24 layers (`bench.graph_replay.replay_ms`):
+- today's chain (at 1, 8, 32, 64 rows): cuBLAS gate/up (`F.linear`),
+  `kernels/fused_ops.silu_mul`, cuBLAS down;
+- `thin` (at 1, 8, 32, 64 rows): tensor-core kernels whose row bits cannot depend on the row
+  count: rows padded to whole blocks of `bm` (a grid axis), each block the same dots; a
+  gate/up program owns 16 gate and the matching 16 up columns, so SiLU*up is its epilogue
+  (rounded as the chain rounds: each matmul output to bf16, SiLU to bf16, the product to
+  bf16); the down projection's K is cut into `split` slices fixed by the shape, whose fp32
+  partials the last program to arrive folds in slice order. Records whether row 0 has the
+  bits it has alone;
+- `two` (one row): a CUDA-core gate/up GEMV (BI gate rows and the matching up rows a program,
+  SiLU*up as the epilogue), then a CUDA-core down GEMV (BN output rows a program);
+- `persistent` (one row): the same GEMV blocks in one launch of `programs` programs (all
+  resident), an arrival counter per layer (acq_rel atomics, then a spin) between them;
+  PREFETCH loads the first down tile before the barrier.
 Every record carries the largest difference to the chain's output over the chain's largest
-magnitude (bf16 rounding of a different summation order: ~0.005).
+magnitude (bf16 rounding of another summation order: ~0.005).
 
-    python scripts/mlp_probe.py OUT.jsonl     (about 35 s on an H200)
+    python scripts/mlp_probe.py OUT.jsonl [thin,two,persistent]   (~30 s a part on an H200)
 
 Figures and what they decided: docs/latency.md, "Our own MLP kernels at M = 1".
 """
