@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import hypothesis
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,7 +98,13 @@ actions = st.lists(
 PREFIXES = [[], list(range(100, 116)), list(range(100, 132)), list(range(200, 248))]
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+# 40 examples, not 60 (the time is linear in the engine steps they run: 67 s -> 42 s). The seed
+# is pinned so that editing this function does not reshuffle them (derandomize seeds on the
+# source text, and step counts per example vary 2x between seeds); these 40 run 13,900 engine
+# steps and 380 preemptions and hit the prefix cache: test_the_fuzz_ran_long_and_preempted_and_hit
+# keeps its floors (10,000 steps, a preemption, a hit) unchanged.
+@hypothesis.seed(0)  # not the `seed` argument below
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     actions=actions,
     layout=st.sampled_from(["full", "shared"]),
@@ -119,7 +126,7 @@ def test_fuzz_pages_balance_and_every_request_ends(
     """Random arrivals, prompt prefixes, lengths, priorities and aborts on a pool small enough
     to preempt: after every step the page books balance (no leak, no double free, reference counts
     equal the page tables); every request ends, finished or aborted, within a bounded number of
-    steps. 60 examples of 80-200 actions plus the drain: over 10,000 engine steps in all."""
+    steps. Examples of 80-200 actions plus the drain: over 10,000 engine steps in all."""
     hazards = {loop: random.Random(seed + loop).choice([0.0, 0.4, 1.0]) for loop in range(1, 5)}
     engine, _ = make_engine(
         FakeLoopedModel(hazards=hazards, eos_token_ids=(7,)),
