@@ -24,9 +24,15 @@ SHARED_PREFIX = "".join(
     f"def function_{index}(value):\n    return value * {index}\n\n" for index in range(12)
 )
 REPLICA_HEADER = "x-loopserve-replica"
-# Seconds a client waits for the next bytes: a non-streaming answer of 400 tokens sends none until
-# it is done, which on a loaded 2-core machine can take two minutes.
+# Seconds a client waits for the next bytes: a non-streaming answer sends none until it is done,
+# which for the killed-replica test's requests on a loaded 2-core machine can take a minute.
 CLIENT_TIMEOUT_S = 300
+# Tokens of each request in flight when a replica is killed: 150 take 15 s on the 2-core machine
+# (each of a replica's 12 requests gets about 10 tokens/s), while every request is on a replica
+# within 2 s, with 4 tokens out, and the kill follows at once. 400 made the test 55 s long: the
+# live replica's requests run to their end, and nothing checked depends on how far past the kill
+# that is.
+KILLED_MAX_TOKENS = 150
 
 
 def _body(index: int, stream: bool, chat: bool, prefix: str = "") -> dict[str, Any]:
@@ -182,7 +188,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(fleet: RunningS
     pid = handle.report.remote().result(timeout_s=30).pid
     bodies = [
         _body(index, stream=index % 3 != 0, chat=index % 2 == 0)
-        | {"max_tokens": 400, "ignore_eos": True}
+        | {"max_tokens": KILLED_MAX_TOKENS, "ignore_eos": True}
         for index in range(24)
     ]
 
@@ -212,7 +218,9 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(fleet: RunningS
     assert on_dead and on_live
     for result in on_live:
         assert result["status"] == 200 and result["error"] is None, result
-        assert result["finish_reason"] == "length" and len(result["exit_depths"]) == 400, result
+        assert (
+            result["finish_reason"] == "length" and len(result["exit_depths"]) == KILLED_MAX_TOKENS
+        ), result
     for result in on_dead:
         # Nothing sent yet: a 503 with an error body. A started stream: an error event, then
         # [DONE]. The error says which replica failed.
