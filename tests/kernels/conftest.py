@@ -14,10 +14,15 @@ import os
 import pytest
 import torch
 
+from tests.kernels import interpreter_patching
+
 ON_GPU = torch.cuda.is_available()
 _PREVIOUS = os.environ.get("TRITON_INTERPRET")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
+    # The interpreter without its repeated, idempotent re-patching of triton.language on every
+    # helper call (the module says why that changes nothing; a quarter of these tests' time).
+    interpreter_patching.install()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
