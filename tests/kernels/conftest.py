@@ -21,7 +21,7 @@ _PREVIOUS = os.environ.get("TRITON_INTERPRET")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     # The interpreter without its repeated, idempotent re-patching of triton.language on every
-    # helper call (the module says why that changes nothing; a quarter of these tests' time).
+    # helper call (the module says why that changes nothing; a sixth of these tests' time).
     interpreter_patching.install()
 
 
