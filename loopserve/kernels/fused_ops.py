@@ -18,12 +18,38 @@ import triton.language as tl
 
 
 @triton.jit
+def inverse_rms(x, mask, size, eps):
+    """rsqrt(mean(x^2) + eps) of one row, x fp32 [BLOCK]. `kernels.norm_matmul` calls it on the
+    same [BLOCK] row shape, so both reduce a row in one order and give it the same bits."""
+    x = tl.where(mask, x, 0.0)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
+
+
+@triton.jit
+def scale(x, inverse, weight, DTYPE: tl.constexpr):
+    """w * cast(x * inverse) with the HF rounding (elementwise: any shape that broadcasts)."""
+    normalised = (x * inverse).to(DTYPE).to(tl.float32)
+    return (weight * normalised).to(DTYPE)
+
+
+@triton.jit
 def _normalise(x, weight, mask, size, eps, DTYPE: tl.constexpr):
     """w * cast(x * rsqrt(mean(x^2) + eps)) with the HF rounding; x, weight fp32 [BLOCK]."""
-    x = tl.where(mask, x, 0.0)
-    variance = tl.sum(x * x, axis=0) / size
-    normalised = (x * tl.rsqrt(variance + eps)).to(DTYPE).to(tl.float32)
-    return (weight * normalised).to(DTYPE)
+    return scale(x, inverse_rms(x, mask, size, eps), weight, DTYPE)
+
+
+@triton.jit
+def add_normalised(update, residual, update_weight, update_inverse, DTYPE: tl.constexpr):
+    """residual + norm_u(update) rounded to DTYPE, fp32 operands, given norm_u's inverse RMS."""
+    normed_update = scale(update, update_inverse, update_weight, DTYPE).to(tl.float32)
+    return (residual + normed_update).to(DTYPE)
+
+
+@triton.jit
+def silu_times(gate, up, DTYPE: tl.constexpr):
+    """cast(cast(silu(gate)) * up), fp32 operands: SiLU·up with torch's rounding."""
+    activated = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return (activated * up).to(DTYPE)
 
 
 @triton.jit
@@ -61,8 +87,8 @@ def _add_norm_kernel(
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
     update_weight = tl.load(update_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out_weight = tl.load(out_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed_update = _normalise(update, update_weight, mask, size, eps, dtype).to(tl.float32)
-    total = (residual.to(tl.float32) + normed_update).to(dtype)
+    update_inverse = inverse_rms(update, mask, size, eps)
+    total = add_normalised(update, residual.to(tl.float32), update_weight, update_inverse, dtype)
     tl.store(sum_ptr + row * size + cols, total, mask=mask)
     normed = _normalise(total.to(tl.float32), out_weight, mask, size, eps, dtype)
     tl.store(normed_ptr + row * size + cols, normed, mask=mask)
@@ -134,8 +160,7 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, size, BL
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * size + cols, (activated * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * size + cols, silu_times(gate, up, dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -36,6 +36,18 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.kernels.fused_ops import silu_times
+
+
+@triton.jit
+def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32)."""
+    if UPCAST:
+        w = w.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
 
 @triton.jit
 def _matmul_kernel(
@@ -44,6 +56,7 @@ def _matmul_kernel(
     UPCAST: tl.constexpr,  # CPU tensors (the interpreter): dot operands in fp32, see `linear`
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
+    SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -61,7 +74,9 @@ def _matmul_kernel(
     # to other bits on the H200), so a wanted row has an unmasked call's bits.
     a_rows = rows.to(tl.int64)[:, None]
     w_cols = cols.to(tl.int64)[None, :] * stride_w
+    up_offset = N.to(tl.int64) * stride_w  # W_up's first row (SWIGLU)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         depth = start + tl.arange(0, BLOCK_K)
         # No K mask when K divides: a mask on the contiguous dimension may narrow the loads
@@ -72,13 +87,18 @@ def _matmul_kernel(
         w_mask = in_depth[:, None] & in_cols[None, :]
         w = tl.load(w_ptr + w_cols + depth[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        if IEEE:  # noqa: SIM108 (a constexpr branch; no tf32 for fp32 weights)
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    # Rounded to W's dtype first, so an fp32 output holds what `F.linear(...).float()` would.
-    value = tl.where(wanted[:, None], acc.to(w_ptr.dtype.element_ty), 0.0)
+            a = a.to(tl.float32)
+        acc = _dot(a, w, acc, IEEE, UPCAST)
+        if SWIGLU:
+            w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)
+            acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
+    # Rounded to W's dtype first, so an fp32 output holds what `F.linear(...).float()` would;
+    # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves.
+    value = acc.to(w_ptr.dtype.element_ty)
+    if SWIGLU:
+        up = acc_up.to(w_ptr.dtype.element_ty).to(tl.float32)
+        value = silu_times(value.to(tl.float32), up, w_ptr.dtype.element_ty)
+    value = tl.where(wanted[:, None], value, 0.0)
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -95,7 +115,7 @@ class Tiling:
     num_stages: int
 
 
-def tiling_for(rows: int, columns: int, dtype: torch.dtype) -> Tiling:
+def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False) -> Tiling:
     """The tiling of a call over `rows` rows (any choice gives the same bits; this is speed).
     Few rows: thin column blocks and deep K slices, so a weight of 2,048 columns still spreads
     over ~128 programs with enough bytes in flight each (the best of eight tilings at one and at
@@ -103,7 +123,9 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype) -> Tiling:
     whose weight tiles are not re-read per 16 rows (at 512 rows 47.6 µs against the thin blocks'
     59.6 at 256; the best tiling here is unmeasured). Wide weights (the LM head, 49,152 columns):
     the best of ten tilings at 1 to 128 rows on the H200 (docs/latency.md, "The LM head only
-    where a row exits")."""
+    where a row exits"). SiLU·up's gate/up projection at up to 16 rows: the best of six tilings
+    at 1, 4 and 8 rows of Ouro-1.4B's on the H200 (docs/latency.md, "SiLU·up in the gate/up
+    projection")."""
     if dtype == torch.float32:  # the engine's exactness runs; fp32 dots have no fast path
         return Tiling(16 if rows <= 16 else 32, 32, 32, 4, 2)
     if columns >= WIDE:
@@ -111,7 +133,7 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype) -> Tiling:
             return Tiling(16, 32, 256, 4, 3)
         return Tiling(64, 128, 64, 4, 3) if rows <= 64 else Tiling(128, 128, 64, 8, 3)
     if rows <= 16:
-        return Tiling(16, 16, 256, 4, 4)
+        return Tiling(16, 32, 128, 4, 3) if swiglu else Tiling(16, 16, 256, 4, 4)
     if rows <= 128:
         return Tiling(16, 32, 128, 4, 3)
     return Tiling(128, 64, 64, 8, 3)
@@ -123,14 +145,16 @@ def linear(
     tiling: Tiling | None = None,
     rows_wanted: torch.Tensor | None = None,  # [M] bool: compute these rows, zeros elsewhere
     out_dtype: torch.dtype | None = None,  # default W's; the values are rounded to W's first
+    swiglu: bool = False,  # W = [W_gate; W_up]: silu(x W_gate^T) * x W_up^T, [M, N / 2]
 ) -> torch.Tensor:
-    """x W^T, [M, N]."""
+    """x W^T, [M, N]; with `swiglu`, `fused_ops.silu_mul` of its two halves, [M, N / 2], each
+    half rounded to W's dtype first as a separate matmul's output would be."""
     rows, depth = x.shape
-    columns = weight.shape[0]
-    if weight.shape[1] != depth or weight.dtype != x.dtype:
+    columns = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if weight.shape[1] != depth or weight.dtype != x.dtype or (swiglu and weight.shape[0] % 2):
         raise ValueError(
             f"linear of x {tuple(x.shape)} {x.dtype} by W {tuple(weight.shape)} {weight.dtype}: "
-            "W must be [N, K] of x's dtype"
+            "W must be [N, K] of x's dtype" + (" with N even (swiglu)" if swiglu else "")
         )
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("linear needs x and W with a contiguous last dimension")
@@ -140,7 +164,7 @@ def linear(
     out = torch.empty((rows, columns), dtype=out_dtype or weight.dtype, device=x.device)
     if rows == 0:
         return out
-    tile = tiling or tiling_for(rows, columns, weight.dtype)
+    tile = tiling or tiling_for(rows, columns, weight.dtype, swiglu)
     grid = (triton.cdiv(columns, tile.block_n), triton.cdiv(rows, tile.block_m))
     masked = rows_wanted is not None
     _matmul_kernel[grid](
@@ -149,7 +173,7 @@ def linear(
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
         # operands are exact for bf16 / fp16 values.
         UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0, MASKED=masked,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        SWIGLU=swiglu, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out

@@ -46,8 +46,12 @@ class ModelOps(Protocol):
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
 
-    def down_proj(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """silu_mul(gate, up) W^T: the MLP's down projection."""
+    def swiglu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu_mul(gate, up) of x W^T = [gate, up]: the MLP's fused gate/up projection."""
+        ...
+
+    def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """activated W^T: the MLP's down projection."""
         ...
 
     def gate_logit(
@@ -84,8 +88,12 @@ class TorchOps:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
-    def down_proj(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.silu_mul(gate, up), weight)
+    def swiglu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return self.silu_mul(gate, up)
+
+    def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(activated, weight)
 
     def gate_logit(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
@@ -105,7 +113,11 @@ class TritonOps(TorchOps):
     cuBLAS's fp32 GEMV and the cast before it took 6.9–16.4, and a row's bits never depend on the
     row count), and the LM head `kernels.matmul.linear`, which computes only the rows asked for (a
     decode step's exiting rows) and gives a row the same bits at every row count. The layer's
-    weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`.
+    weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`, except that at up to
+    `SWIGLU_ROWS` bf16 rows the gate/up projection is `kernels.matmul.linear` with SiLU·up as its
+    epilogue (one launch fewer a layer): its bits are cuBLAS's followed by `silu_mul`'s at every
+    row count on the H200 (tests/kernels/test_matmul.py), so a row's bits do not depend on which
+    side of the threshold its batch falls.
 
     `batch_invariant`: the down projection runs as `kernels.matmul.linear`, whose rows have the
     same bits at every row count; cuBLAS (the default) changes its reduction order with the row
@@ -113,6 +125,9 @@ class TritonOps(TorchOps):
     """
 
     rotary_is_fused_ops = True
+    # The gate/up projection with SiLU·up fused up to this many rows: 14.8 against 15.8 µs at 1,
+    # 4 and 8 rows of Ouro-1.4B (docs/latency.md, "Norms and SiLU·up into the matmuls").
+    SWIGLU_ROWS = 8
 
     def __init__(self, batch_invariant: bool = False) -> None:
         from loopserve.kernels import fused_ops
@@ -140,12 +155,19 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._kernels.silu_mul(gate, up)
 
-    def down_proj(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self.batch_invariant:
-            return super().down_proj(gate, up, weight)
+    def swiglu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.shape[0] > self.SWIGLU_ROWS:
+            return super().swiglu(x, weight)
         from loopserve.kernels.matmul import linear
 
-        return linear(self.silu_mul(gate, up), weight)
+        return linear(x, weight, swiglu=True)
+
+    def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().down_proj(activated, weight)
+        from loopserve.kernels.matmul import linear
+
+        return linear(activated, weight)
 
     def gate_logit(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor

@@ -126,7 +126,6 @@ class MLP(nn.Module):
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.inner = inner
         self.gate_proj: nn.Linear | None = nn.Linear(hidden, inner, bias=False)
         self.up_proj: nn.Linear | None = nn.Linear(hidden, inner, bias=False)
         self.gate_up_proj: nn.Linear | None = None
@@ -139,11 +138,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split([self.inner, self.inner], dim=-1)
+            activated = ops.swiglu(x, self.gate_up_proj.weight)
         else:
             assert self.gate_proj is not None and self.up_proj is not None
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return ops.down_proj(gate, up, self.down_proj.weight)
+            activated = ops.silu_mul(self.gate_proj(x), self.up_proj(x))
+        return ops.down_proj(activated, self.down_proj.weight)
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:

@@ -89,6 +89,19 @@ def test_silu_mul(dtype: torch.dtype, device: torch.device) -> None:
     close(TritonOps().silu_mul(gate, up), TorchOps().silu_mul(gate, up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [3, TritonOps.SWIGLU_ROWS + 1])
+def test_swiglu(dtype: torch.dtype, device: torch.device, rows: int) -> None:
+    """The fused gate/up projection with SiLU·up: the Triton matmul's epilogue in bf16 up to
+    SWIGLU_ROWS rows, cuBLAS and `silu_mul` otherwise; torch's values either way."""
+    torch.manual_seed(5)
+    x = torch.randn(rows, 64).to(device=device, dtype=dtype)
+    weight = (0.1 * torch.randn(2 * 96, 64)).to(device=device, dtype=dtype)
+    got = TritonOps().swiglu(x, weight)
+    assert got.shape == (rows, 96)
+    close(got, TorchOps().swiglu(x, weight))
+
+
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_a_fused_loop_matches_the_torch_loop(device: torch.device, batch_invariant: bool) -> None:
     """Fused projections and fused ops together: one loop of a tiny model and its exit gate,

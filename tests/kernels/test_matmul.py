@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from loopserve.kernels.fused_ops import silu_mul
 from loopserve.kernels.matmul import Tiling, gate_logit, linear, tiling_for
+from tests.kernels.conftest import ON_GPU
 
 # Row counts that reach every tiling bucket (16-bit: up to 16, up to 128, beyond).
 ROW_COUNTS = (1, 3, 16, 17, 64, 65, 128, 129, 300)
@@ -97,6 +100,24 @@ def test_rows_wanted_keeps_their_bits_and_zeroes_the_rest(
         linear(x, weight, rows_wanted=wanted[:5])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_is_silu_mul_of_the_two_halves(device: torch.device, dtype: torch.dtype) -> None:
+    """SiLU·up as the epilogue: the bits of the plain matmul's two halves through `silu_mul`
+    (the same K loop; the halves rounded to W's dtype first), under two tilings, with tails.
+    fp32 under the interpreter only to a few units: numpy rounds a column by its place in the
+    block, and the up half's columns sit elsewhere in their blocks than in the plain call."""
+    x, weight = _data(19, 300, 2 * 24, dtype, device)
+    for tiling in (Tiling(16, 16, 256, 4, 4), Tiling(16, 32, 128, 4, 3)):
+        gate, up = linear(x, weight, tiling).chunk(2, dim=-1)
+        got = linear(x, weight, tiling, swiglu=True)
+        expected = silu_mul(gate.contiguous(), up.contiguous())
+        assert got.shape == (19, 24)
+        if ON_GPU or dtype == torch.bfloat16:
+            assert torch.equal(got, expected), tiling
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_refuses_shapes_it_cannot_multiply(device: torch.device) -> None:
     x, weight = _data(2, 64, 16, torch.bfloat16, device)
     with pytest.raises(ValueError, match=r"W must be \[N, K\] of x's dtype"):
@@ -105,6 +126,30 @@ def test_refuses_shapes_it_cannot_multiply(device: torch.device) -> None:
         linear(x, weight.float())
     with pytest.raises(ValueError, match="fp32"):
         gate_logit(x, weight[:1], torch.zeros(1, device=device))
+    with pytest.raises(ValueError, match=r"with N even \(swiglu\)"):
+        linear(x, weight[:15], swiglu=True)
+
+
+@pytest.mark.gpu
+def test_ouro_projections_have_cublas_bits(device: torch.device) -> None:
+    """What lets the engine switch between cuBLAS and this kernel by row count: at Ouro-1.4B's
+    qkv, o and gate/up shapes every row count gets cuBLAS's bits (`F.linear`; H200, cuBLAS of
+    CUDA 13), and SiLU·up as the epilogue gets cuBLAS's followed by `silu_mul`'s. The down
+    projection only where cuBLAS does not split K (512 rows; it does up to 128)."""
+    for columns, depth, row_counts in (
+        (6144, 2048, (1, 2, 8, 16, 17, 64, 128, 512)),
+        (2048, 2048, (1, 8, 16, 64, 512)),
+        (11264, 2048, (1, 4, 8, 16, 32, 64, 512)),
+        (2048, 5632, (512,)),
+    ):
+        x, weight = _data(max(row_counts), depth, columns, torch.bfloat16, device)
+        for rows in row_counts:
+            cublas = F.linear(x[:rows], weight)
+            assert torch.equal(linear(x[:rows], weight), cublas), (columns, depth, rows)
+            if columns == 11264 and rows <= 16:
+                gate, up = cublas.chunk(2, dim=-1)
+                fused = linear(x[:rows], weight, swiglu=True)
+                assert torch.equal(fused, silu_mul(gate, up)), rows
 
 
 @pytest.mark.gpu
