@@ -1,7 +1,7 @@
 """How many kernels one decode loop launches, and from where: a census on the CPU.
 
 Owns: `python -m loopserve.bench.launch_census`, which runs the CUDA configuration of the decode
-step (Triton attention, the fused Triton layer ops) on the CPU under triton's interpreter and
+step (bf16, Triton attention, the fused Triton layer ops) on the CPU under triton's interpreter and
 counts, for one decode step after a steady start, every torch operation that would launch a
 kernel on a GPU (views and allocations excluded) and every Triton kernel launch, by operation
 and by the loopserve line that issued it. Launches per loop are what a decode step's fixed cost
@@ -31,9 +31,9 @@ from typing import Any
 NO_KERNEL = frozenset(
     {
         "view", "_unsafe_view", "reshape", "expand", "slice", "select", "split",
-        "split_with_sizes", "unsqueeze", "squeeze", "permute", "t", "transpose", "as_strided",
-        "alias", "detach", "unbind", "narrow", "empty", "empty_like", "empty_strided",
-        "_reshape_alias", "lift_fresh",
+        "split_with_sizes", "chunk", "unsqueeze", "squeeze", "permute", "t", "transpose",
+        "as_strided", "alias", "detach", "unbind", "narrow", "empty", "empty_like",
+        "empty_strided", "_reshape_alias", "lift_fresh",
     }
 )  # fmt: skip
 
@@ -75,11 +75,11 @@ def decode_step_census(layers: int, rows: int) -> Census:
     from loopserve.sampling_params import SamplingParams
 
     base = OuroConfig.from_file(resolve_model_dir(None) / "config.json")
-    model = dummy_model(replace(base, num_hidden_layers=layers), torch.float32, "cpu")
+    model = dummy_model(replace(base, num_hidden_layers=layers), torch.bfloat16, "cpu")
     model.fuse_projections()
     model.ops = TritonOps()  # the layer ops of a CUDA device
     config = EngineConfig.from_options(
-        device="cpu", dtype="float32", attention_backend="triton", cuda_graphs=False,
+        device="cpu", dtype="bfloat16", attention_backend="triton", cuda_graphs=False,
         async_scheduling=False, max_num_seqs=8,
     )  # fmt: skip
     engine = Engine(config, build_runner(config, model=model))
