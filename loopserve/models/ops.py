@@ -116,8 +116,8 @@ class TritonOps(TorchOps):
     weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`, except that at up to
     `SWIGLU_ROWS` bf16 rows the gate/up projection is `kernels.matmul.linear` with SiLU·up as its
     epilogue (one launch fewer a layer): its bits are cuBLAS's followed by `silu_mul`'s at every
-    row count on the H200 (tests/kernels/test_matmul.py), so a row's bits do not depend on which
-    side of the threshold its batch falls.
+    row count on the H200 for Ouro's shapes (tests/kernels/test_matmul.py; cuBLAS does not split
+    that K), so a row's bits do not depend on which side of the threshold its batch falls.
 
     `batch_invariant`: the down projection runs as `kernels.matmul.linear`, whose rows have the
     same bits at every row count; cuBLAS (the default) changes its reduction order with the row
@@ -125,9 +125,10 @@ class TritonOps(TorchOps):
     """
 
     rotary_is_fused_ops = True
-    # The gate/up projection with SiLU·up fused up to this many rows: 14.8 against 15.8 µs at 1,
-    # 4 and 8 rows of Ouro-1.4B (docs/latency.md, "Norms and SiLU·up into the matmuls").
-    SWIGLU_ROWS = 8
+    # The gate/up projection with SiLU·up fused up to this many rows: 14.8–15.0 against 15.8–15.9
+    # µs at 1, 4, 8 and 16 rows of Ouro-1.4B (docs/latency.md, "Norms and SiLU·up into the
+    # matmuls"; 32 rows unmeasured).
+    SWIGLU_ROWS = 16
 
     def __init__(self, batch_invariant: bool = False) -> None:
         from loopserve.kernels import fused_ops
