@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.depth.policy import LoopOutcome
 from loopserve.kv.pages import NULL_PAGE
 
 # SlotRule values (depth.policy; a test checks they agree). constexpr: triton reads no other
@@ -243,15 +244,6 @@ class Prologue:
 
 
 @dataclass(slots=True)
-class Decision:
-    """`decide`'s [rows] tensors, fresh each step: the fields of `depth.policy.LoopOutcome`."""
-
-    exited: torch.Tensor  # bool: the row ran and its token exits after this loop
-    survival: torch.Tensor  # fp32 after this loop
-    test: torch.Tensor  # bool: the exit test was evaluated and held
-
-
-@dataclass(slots=True)
 class Coda:
     record: torch.Tensor  # fp32 [rows, record_width]
     # int64 [rows * planes] flat KV slots, copy source -> destination; None: the layout copies none
@@ -311,11 +303,11 @@ class DecodeKernels:
         )  # fmt: skip
         return start
 
-    def decide(self, start: Prologue, hazard: torch.Tensor) -> Decision:
+    def decide(self, start: Prologue, hazard: torch.Tensor) -> LoopOutcome:
         """policy.after_loop for rows [0, rows): [rows] tensors, fresh each step; `hazard` fp32."""
         state, device = self.state, self.tables.device
         rows = start.ran.shape[0]
-        outcome = Decision(
+        outcome = LoopOutcome(
             exited=torch.empty(rows, dtype=torch.bool, device=device),
             survival=torch.empty(rows, dtype=torch.float32, device=device),
             test=torch.empty(rows, dtype=torch.bool, device=device),
@@ -332,7 +324,7 @@ class DecodeKernels:
     def coda(
         self,
         start: Prologue,
-        outcome: Decision,  # `decide`'s
+        outcome: LoopOutcome,  # `decide`'s
         out: torch.Tensor,  # [rows, H] the loop's output
         sampled: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         record_width: int,

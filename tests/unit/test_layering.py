@@ -34,7 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     | CORE,
     "models": {"kernels"},
     "attention": {"kernels", "kv"},
-    "kernels": {"kv"},
+    # the decode-state kernels return the depth rule's own outcome type
+    "kernels": {"kv", "depth.policy"},
     # small host values reach the device one way; the noise hash and token choice have Triton twins
     "sample": {"sampling_params", "kv.transfer", "kernels.availability"}
     | {"kernels.noise", "kernels.sampling"},
