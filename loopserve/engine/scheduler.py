@@ -6,7 +6,7 @@ budget, growing every request's page tables before the step that needs them, pre
 pages run out, prefix-cache lookups and registrations, handing a request's in-flight token to the
 decode step and taking it back, and applying a step's results. Must not: import torch, or decide
 exits and refills: the decode step does, by `depth.policy`. Which planes a request holds and when
-they are freed comes from `kv.layout`.
+they are freed comes from `kv.layout`; how many pages a request needs, from `engine.page_budget`.
 
 Pages. With `kv_allocation="incremental"` a request holds pages for what it has computed plus
 what the next step can write: a prompt chunk's positions in every plane before the chunk runs,
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 
-from loopserve.config import KVAllocation, SchedulerConfig
+from loopserve.config import SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
+from loopserve.engine.page_budget import PageBudget
 from loopserve.engine.prefix_cache import block_hashes
 from loopserve.engine.scheduler_output import (
     DecodeResult,
@@ -39,7 +39,6 @@ from loopserve.engine.scheduler_output import (
     SlotStart,
 )
 from loopserve.engine.stats import SchedulerStats
-from loopserve.kv.pages import pages_for
 from loopserve.request import Request, RequestStatus
 from loopserve.sampling_params import SamplingInfo
 
@@ -48,8 +47,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.layout = config.kv_layout
-        self.reserve = config.kv_allocation is KVAllocation.RESERVE
         self.kv = kv
+        self.pages = PageBudget(config, kv)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._running_by_id: dict[str, Request] = {}
@@ -62,27 +61,11 @@ class Scheduler:
         self._pending_clears: list[int] = []
         self._swap_out: list[PageMove] = []
         self._dropped_swaps: list[str] = []
-        self._watermark = math.ceil(config.kv_watermark * kv.num_usable_pages)
 
     # ----- requests in and out -------------------------------------------------------------
 
-    def pages_needed(self, request: Request) -> int:
-        """Every page the request can ever hold at once."""
-        return self.layout.pages_needed(
-            request.params.max_loops,
-            request.num_prompt_tokens,
-            self._num_positions(request),
-            self.config.block_size,
-        )
-
-    @staticmethod
-    def _num_positions(request: Request) -> int:
-        """Positions with K/V: the prompt and every generated token but the last, which is
-        never fed back."""
-        return request.num_prompt_tokens + request.params.params.max_tokens - 1
-
     def add(self, request: Request) -> None:
-        needed = self.pages_needed(request)
+        needed = self.pages.pages_needed(request)
         if needed > self.kv.num_usable_pages:
             raise ValueError(
                 f"request {request.request_id!r} needs {needed} KV pages (prompt + max_tokens over "
@@ -153,7 +136,7 @@ class Scheduler:
             and self._admission_cost(self._next_waiting()) is not None
         ):
             return True
-        growth = sum(self._decode_growth(request) for request in self.running)
+        growth = sum(self.pages.decode_growth(request) for request in self.running)
         return growth > self.kv.num_available_pages
 
     # ----- one step ------------------------------------------------------------------------
@@ -225,21 +208,8 @@ class Scheduler:
             if pages:
                 output.page_updates.append(PageTableUpdate(request.slot, plane, start, pages))
 
-    def _decode_targets(self, request: Request) -> dict[int, int]:
-        """Tokens each plane must cover before the next decode step: up to the position after
-        the in-flight token (the step may run one token ahead of the host)."""
-        tokens = min(request.position + 2, self._num_positions(request))
-        return {plane: tokens for plane in self.layout.generated_planes(request.params.max_loops)}
-
-    def _decode_growth(self, request: Request) -> int:
-        if not request.is_decoding:
-            return 0
-        targets = self._decode_targets(request)
-        need = sum(self.kv.pages_to_grow(request.request_id, p, t) for p, t in targets.items())
-        return max(0, need - self.kv.reservation(request.request_id))
-
     def _cover_decode(self, request: Request, output: SchedulerOutput) -> None:
-        targets = self._decode_targets(request)
+        targets = self.pages.decode_targets(request)
         if self._ensure_pages(request, targets, output):
             self._grow(request, targets, output)
         else:
@@ -273,32 +243,7 @@ class Scheduler:
     # ----- admission, preemption, resumption -----------------------------------------------
 
     def _admission_cost(self, request: Request) -> int | None:
-        """Pages admitting the request now takes from the pool, or None if it cannot be admitted
-        now (in `incremental` mode `kv_watermark` of the cache stays free, unless nothing runs)."""
-        planes = request.params.max_loops
-        if request.swapped_pages is not None:
-            cost = sum(request.swapped_pages) + len(self.layout.generated_planes(planes))
-        else:
-            hit = self._cached_blocks(request)
-            idle_hits = self.kv.num_idle(page for block in hit for page in block)
-            if self.reserve:
-                cost = self._reservation(request, len(hit)) + idle_hits
-            else:
-                start = len(hit) * self.config.block_size
-                end = min(request.num_prompt_tokens, start + self.config.prefill_chunk_size)
-                cost = planes * (pages_for(end, self.config.block_size) - len(hit)) + idle_hits
-        margin = 0 if self.reserve or not self.running else self._watermark
-        return cost if cost + margin <= self.kv.num_available_pages else None
-
-    def _reservation(self, request: Request, hit_blocks: int) -> int:
-        """`reserve` mode: every page the request can need beyond the cached ones it shares."""
-        return self.pages_needed(request) - hit_blocks * request.params.max_loops
-
-    def _cached_blocks(self, request: Request) -> list[list[int]]:
-        """The cached prompt blocks it can share: at least one prompt token is always computed
-        (the first output token is sampled from it)."""
-        usable = (request.num_prompt_tokens - 1) // self.config.block_size
-        return self.kv.cached_prefix(request.block_hashes[:usable], request.params.max_loops)
+        return self.pages.admission_cost(request, others_running=bool(self.running))
 
     def _admit(self, request: Request, output: SchedulerOutput) -> bool:
         if self._admission_cost(request) is None:
@@ -315,8 +260,8 @@ class Scheduler:
             self.kv.admit(request.request_id, request.params.max_loops)
             self._resume(request, output)
             return True
-        hit = self._cached_blocks(request)
-        reserve = self._reservation(request, len(hit)) if self.reserve else 0
+        hit = self.pages.cached_blocks(request)
+        reserve = self.pages.reservation(request, len(hit)) if self.pages.reserve else 0
         self.kv.admit(request.request_id, request.params.max_loops, reserve)
         self.stats.prefix_query_tokens += request.num_prompt_tokens
         if hit:
@@ -355,7 +300,7 @@ class Scheduler:
         if request.is_decoding:
             for plane in self.layout.prompt_only_planes(request.params.max_loops):
                 self.kv.release_plane(request.request_id, plane)
-            self._grow(request, self._decode_targets(request), output)
+            self._grow(request, self.pages.decode_targets(request), output)
             self._start_slot(request)
 
     # ----- results -------------------------------------------------------------------------
