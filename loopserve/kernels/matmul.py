@@ -180,9 +180,12 @@ def linear(
 
 
 @triton.jit
-def _gate_kernel(h_ptr, w_ptr, bias_ptr, out_ptr, size, stride_h, BLOCK: tl.constexpr):
+def _gate_kernel(
+    h_ptr, w_ptr, bias_ptr, out_ptr, size, stride_h, SIGMOID: tl.constexpr, BLOCK: tl.constexpr
+):
     """One row: lane j sums h[j + i * BLOCK] * w[...] over i in order, then the lanes fold in
-    `tl.sum`'s fixed tree, then the bias: an order that only BLOCK decides."""
+    `tl.sum`'s fixed tree, then the bias: an order that only BLOCK decides; then (SIGMOID) the
+    logistic function, saving the step a launch."""
     row = tl.program_id(0).to(tl.int64)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, size, BLOCK):
@@ -190,15 +193,18 @@ def _gate_kernel(h_ptr, w_ptr, bias_ptr, out_ptr, size, stride_h, BLOCK: tl.cons
         mask = cols < size
         h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
         acc += h * tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row, tl.sum(acc, axis=0) + tl.load(bias_ptr))
+    logit = tl.sum(acc, axis=0) + tl.load(bias_ptr)
+    tl.store(out_ptr + row, tl.sigmoid(logit) if SIGMOID else logit)
 
 
 def gate_logit(
     hidden: torch.Tensor,  # [T, H], any float dtype (cast to fp32 exactly)
     weight: torch.Tensor,  # [1, H] fp32
     bias: torch.Tensor,  # [1] fp32
+    sigmoid: bool = False,
 ) -> torch.Tensor:
-    """hidden · w + b in fp32, [T, 1]; one program per row, so no row depends on another."""
+    """hidden · w + b in fp32, [T, 1] (with `sigmoid`, its logistic function: the exit hazard);
+    one program per row, so no row depends on another."""
     rows, size = hidden.shape
     if weight.shape != (1, size) or weight.dtype != torch.float32 or bias.shape != (1,):
         raise ValueError(f"gate_logit needs an fp32 [1, {size}] weight and a [1] bias")
@@ -207,5 +213,7 @@ def gate_logit(
     out = torch.empty((rows, 1), dtype=torch.float32, device=hidden.device)
     if rows:
         block = min(1024, triton.next_power_of_2(size))
-        _gate_kernel[(rows,)](hidden, weight, bias, out, size, hidden.stride(0), BLOCK=block)
+        _gate_kernel[(rows,)](
+            hidden, weight, bias, out, size, hidden.stride(0), SIGMOID=sigmoid, BLOCK=block
+        )
     return out

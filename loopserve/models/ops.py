@@ -54,10 +54,11 @@ class ModelOps(Protocol):
         """activated W^T: the MLP's down projection."""
         ...
 
-    def gate_logit(
+    def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
-        """The exit gate's fp32 logit [T, 1] of hidden [T, H] (any dtype; fp32 weight and bias)."""
+        """The exit gate's fp32 hazard sigmoid(h w^T + b) [T] of hidden [T, H] (any dtype; fp32
+        weight and bias)."""
         ...
 
     def lm_head(
@@ -95,10 +96,10 @@ class TorchOps:
     def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(activated, weight)
 
-    def gate_logit(
+    def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
-        return F.linear(hidden.float(), weight, bias)
+        return torch.sigmoid(F.linear(hidden.float(), weight, bias)).squeeze(-1)
 
     def lm_head(
         self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None
@@ -109,10 +110,12 @@ class TorchOps:
 
 class TritonOps(TorchOps):
     """Fused kernels; q and k are rotated in place (they are views of a fresh projection). The
-    exit gate is `kernels.matmul.gate_logit` (one program a row: 1.9–4.0 µs on the H200 where
-    cuBLAS's fp32 GEMV and the cast before it took 6.9–16.4, and a row's bits never depend on the
-    row count), and the LM head `kernels.matmul.linear`, which computes only the rows asked for (a
-    decode step's exiting rows) and gives a row the same bits at every row count. The layer's
+    exit gate is `kernels.matmul.gate_logit` with the sigmoid in it (one program a row: 1.9–4.0 µs
+    on the H200 where cuBLAS's fp32 GEMV and the cast before it took 6.9–16.4, and a row's bits
+    never depend on the row count; Triton's sigmoid is within an ulp or two of torch's, and the
+    serial reference runs the same ops), and the LM head `kernels.matmul.linear`, which computes
+    only the rows asked for (a decode step's exiting rows) and gives a row the same bits at every
+    row count. The layer's
     weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`, except that at up to
     `SWIGLU_ROWS` bf16 rows the gate/up projection is `kernels.matmul.linear` with SiLU·up as its
     epilogue (one launch fewer a layer): its bits are cuBLAS's followed by `silu_mul`'s at every
@@ -170,12 +173,12 @@ class TritonOps(TorchOps):
 
         return linear(activated, weight)
 
-    def gate_logit(
+    def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
         from loopserve.kernels.matmul import gate_logit
 
-        return gate_logit(hidden, weight, bias)
+        return gate_logit(hidden, weight, bias, sigmoid=True).squeeze(-1)
 
     def lm_head(
         self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None

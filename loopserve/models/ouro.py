@@ -257,7 +257,7 @@ class OuroForCausalLM(nn.Module):
         """The per-loop exit hazard λ = sigmoid(gate(h)) in fp32. hidden [T, H] -> [T]."""
         gate = self.model.early_exit_gate
         weight, bias = self._gate_fp32 or (gate.weight.float(), gate.bias.float())
-        return torch.sigmoid(self.ops.gate_logit(hidden, weight, bias)).squeeze(-1)
+        return self.ops.exit_hazard(hidden, weight, bias)
 
     def compute_logits(
         self, hidden: torch.Tensor, rows: torch.Tensor | None = None

@@ -55,6 +55,8 @@ def test_exit_gate_casts_and_adds_the_bias(device: torch.device) -> None:
     expected = hidden.double() @ weight.double().t() + 0.25
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(gate_logit(hidden[3:4], weight, bias)[0], got[3])  # one program a row
+    hazard = gate_logit(hidden, weight, bias, sigmoid=True)  # the exit hazard, in the kernel
+    torch.testing.assert_close(hazard.double(), expected.sigmoid(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
