@@ -1,7 +1,8 @@
 """Batch-invariant matmuls: row bits that never depend on how many rows share the call.
 
 Owns: `linear` (x [M, K] times W [N, K] transposed, rounded to W's dtype; optionally only the
-rows a mask asks for), `gate_logit` (the exit gate's fp32 h·w + b, one program per row) and the
+rows a mask asks for; optionally SiLU·up of a fused gate/up projection's halves as the epilogue),
+`gate_logit` (the exit gate's fp32 h·w + b, optionally its sigmoid, one program per row) and the
 tiling each row count gets. Must not: split K, or
 reduce a row in an order that depends on M. In `linear` each output is one program's fp32
 accumulator over K in order, chunk after chunk, each chunk a `tl.dot` (the tensor cores add
@@ -16,8 +17,15 @@ invariance at full size"). The engine's `batch_invariant` setting runs the down 
 (the other weight matmuls keep one order at every M under cuBLAS, which
 tests/gpu/test_invariance_full_size.py checks); the exit gate runs here wherever the layer ops
 are fused (`models.ops.TritonOps`), being faster than cuBLAS's fp32 GEMV at every row count.
-SiLU·up stays its own launch: computed in this kernel's prologue, every column block recomputed
-it for its rows (4x slower at one row).
+SiLU·up in the down projection's prologue was 4x slower at one row (every column block
+recomputed it for its rows); as the gate/up projection's epilogue (`swiglu`) it is faster than
+cuBLAS + `silu_mul` at up to 16 rows, where `models.ops.TritonOps` runs it.
+
+cuBLAS's bits. For Ouro's qkv, o and gate/up shapes this kernel gives cuBLAS's bits at every row
+count measured on the H200 (one `nvjet` kernel, one accumulator chain over K, as here), so the
+engine may switch between the two by row count without a row's bits depending on its batch; the
+down projection only where cuBLAS does not split K (docs/latency.md, "Norms and SiLU·up into the
+matmuls"; tests/kernels/test_matmul.py holds it on the GPU).
 
 The LM head runs here wherever the layer ops are fused (`models.ops.TritonOps`), with `rows_wanted`:
 a decode step needs logits only for the rows whose token exits after this loop (at fixed depth 4 and
@@ -124,8 +132,8 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
     59.6 at 256; the best tiling here is unmeasured). Wide weights (the LM head, 49,152 columns):
     the best of ten tilings at 1 to 128 rows on the H200 (docs/latency.md, "The LM head only
     where a row exits"). SiLU·up's gate/up projection at up to 16 rows: the best of six tilings
-    at 1, 4 and 8 rows of Ouro-1.4B's on the H200 (docs/latency.md, "SiLU·up in the gate/up
-    projection")."""
+    at 1, 4, 8 and 16 rows of Ouro-1.4B's on the H200 (docs/latency.md, "Norms and SiLU·up into
+    the matmuls")."""
     if dtype == torch.float32:  # the engine's exactness runs; fp32 dots have no fast path
         return Tiling(16 if rows <= 16 else 32, 32, 32, 4, 2)
     if columns >= WIDE:
