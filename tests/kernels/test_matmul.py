@@ -4,8 +4,9 @@ every row count and under every tiling.
 Invariance is a property of the compiled kernel (the tensor cores chain 16-wide k slices into one
 fp32 accumulator whatever the block shape), so it is checked on the GPU. Triton's CPU interpreter
 adds each `tl.dot` block's numpy sum to the accumulator (its bits depend on BLOCK_K) and numpy's
-fp32 BLAS rounds a row by its place in the block; there the tests check values and the SiLU
-prologue's bits."""
+fp32 BLAS rounds a row by its place in the block; there the tests check values and the SwiGLU
+epilogue's bits. On the GPU they also hold the kernel to cuBLAS's bits at Ouro's shapes, which is
+what lets the engine switch between the two by row count."""
 
 from __future__ import annotations
 
