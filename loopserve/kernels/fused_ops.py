@@ -1,7 +1,8 @@
 """Triton kernels for the elementwise and row-wise parts of a layer, each one launch.
 
 Owns: RMSNorm, residual-add + two RMSNorms, rotate-half RoPE (in place; q and k in one launch
-when they are views of one projection) and SiLU(gate) * up.
+when they are views of one projection) and SiLU(gate) * up, and the jit helpers that hold their
+arithmetic (`silu_times` is also `kernels.matmul`'s SwiGLU epilogue, so both round alike).
 Must not: change the math of the torch ops they replace. Every kernel computes in fp32 and rounds
 to the tensor dtype exactly where the torch code rounds (after the normalisation, after each
 product, after the sum), so in bf16 the results follow the HF rounding order; a row is always
@@ -19,8 +20,8 @@ import triton.language as tl
 
 @triton.jit
 def inverse_rms(x, mask, size, eps):
-    """rsqrt(mean(x^2) + eps) of one row, x fp32 [BLOCK]. `kernels.norm_matmul` calls it on the
-    same [BLOCK] row shape, so both reduce a row in one order and give it the same bits."""
+    """rsqrt(mean(x^2) + eps) of one row, x fp32 [BLOCK]. A kernel that calls it on the same
+    [BLOCK] row shape reduces a row in the same order (scripts/norm_matmul_probe.py does)."""
     x = tl.where(mask, x, 0.0)
     return tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
 

@@ -51,7 +51,7 @@ from loopserve.kernels.fused_ops import silu_times
 def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32)."""
     if UPCAST:
-        w = w.to(tl.float32)
+        a, w = a.to(tl.float32), w.to(tl.float32)
     if IEEE:
         return tl.dot(a, w, acc, input_precision="ieee")
     return tl.dot(a, w, acc)
@@ -94,8 +94,6 @@ def _matmul_kernel(
         a = tl.load(a_ptr + a_rows * stride_a + depth[None, :], mask=a_mask, other=0.0)
         w_mask = in_depth[:, None] & in_cols[None, :]
         w = tl.load(w_ptr + w_cols + depth[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        if UPCAST:
-            a = a.to(tl.float32)
         acc = _dot(a, w, acc, IEEE, UPCAST)
         if SWIGLU:
             w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)

@@ -115,12 +115,12 @@ class TritonOps(TorchOps):
     never depend on the row count; Triton's sigmoid is within an ulp or two of torch's, and the
     serial reference runs the same ops), and the LM head `kernels.matmul.linear`, which computes
     only the rows asked for (a decode step's exiting rows) and gives a row the same bits at every
-    row count. The layer's
-    weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`, except that at up to
-    `SWIGLU_ROWS` bf16 rows the gate/up projection is `kernels.matmul.linear` with SiLU·up as its
-    epilogue (one launch fewer a layer): its bits are cuBLAS's followed by `silu_mul`'s at every
-    row count on the H200 for Ouro's shapes (tests/kernels/test_matmul.py; cuBLAS does not split
-    that K), so a row's bits do not depend on which side of the threshold its batch falls.
+    row count. The layer's weight matmuls are TorchOps's (cuBLAS) unless `batch_invariant`, except
+    that at up to `SWIGLU_ROWS` bf16 rows the gate/up projection is `kernels.matmul.linear` with
+    SiLU·up as its epilogue (one launch fewer a layer): its bits are cuBLAS's followed by
+    `silu_mul`'s at every row count on the H200 for Ouro's shapes (tests/kernels/test_matmul.py;
+    cuBLAS does not split that K), so a row's bits do not depend on which side of the threshold
+    its batch falls.
 
     `batch_invariant`: the down projection runs as `kernels.matmul.linear`, whose rows have the
     same bits at every row count; cuBLAS (the default) changes its reduction order with the row
