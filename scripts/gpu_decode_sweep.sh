@@ -62,8 +62,8 @@ step "pytest -m gpu tests/kernels/test_kernels_gpu.py" "$TESTS_LOG" "$TEST_TIMEO
   -p no:cacheprovider
 
 # shellcheck disable=SC2086  # SWEEP_ARGS is a list of flags
-step "python -m loopserve.bench.decode_sweep $SWEEP_ARGS" "$SWEEP_LOG" "$SWEEP_TIMEOUT" \
-  "$PYTHON" -m loopserve.bench.decode_sweep --budget-s "$SWEEP_BUDGET" --out "$SWEEP_JSONL" \
+step "python -m benchmarks.decode_sweep $SWEEP_ARGS" "$SWEEP_LOG" "$SWEEP_TIMEOUT" \
+  "$PYTHON" -m benchmarks.decode_sweep --budget-s "$SWEEP_BUDGET" --out "$SWEEP_JSONL" \
   --tables "$TABLES" $SWEEP_ARGS
 grep '"bench": "decode_sweep_summary"' "$SWEEP_JSONL" > "$OUT/decode_sweep_summary.json" || true
 

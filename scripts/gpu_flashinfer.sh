@@ -16,7 +16,7 @@
 #             -k "$KERNELS_FILTER" (default "not extended": 48 tests, 152 s on 2026-12-01 after
 #             the prebuild, ~90 s of it in test_ouro_shape[prefill-*]'s CPU reference)
 #   engine    pytest -m gpu tests/gpu/test_engine_flashinfer_gpu.py ENGINE_TIMEOUT=200 (159 s)
-#   table     python -m loopserve.bench.attention_table $TABLE_ARGS TABLE_TIMEOUT=90
+#   table     python -m benchmarks.attention_table $TABLE_ARGS TABLE_TIMEOUT=90
 # By default every FlashInfer module is for head size 128 in bf16 (Ouro's; 5 modules, FA3
 # prefill the slowest to build). EXTENDED=1 adds GQA 4 and 8, head size 64 and fp16 (6 more
 # modules, a few more minutes).
@@ -130,8 +130,8 @@ if wants engine; then step "pytest -m gpu $ENGINE_TESTS -k '$ENGINE_FILTER'" "$L
   -rs --durations=10 -p no:cacheprovider; fi
 
 # shellcheck disable=SC2086  # TABLE_ARGS is a list of flags
-if wants table; then step "python -m loopserve.bench.attention_table $TABLE_ARGS" "$LOG" \
-  "${TABLE_TIMEOUT:-90}" "$PYTHON" -m loopserve.bench.attention_table $TABLE_ARGS \
+if wants table; then step "python -m benchmarks.attention_table $TABLE_ARGS" "$LOG" \
+  "${TABLE_TIMEOUT:-90}" "$PYTHON" -m benchmarks.attention_table $TABLE_ARGS \
   --out "$OUT/attention_table.jsonl" --markdown "$OUT/attention_table.md"; fi
 
 echo "== done: exit $status ($(date -u +%H:%M:%S))" | tee -a "$LOG"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU issue, part 1: the Triton attention kernels on one H200. Realistic-size correctness tests
-# (`pytest -m gpu tests/kernels`), then the kernel benchmark (`python -m loopserve.bench.kernels`),
+# (`pytest -m gpu tests/kernels`), then the kernel benchmark (`python -m benchmarks.kernel_bench`),
 # then the small-shape kernel tests compiled for CUDA (the ones CPU CI runs in the interpreter).
 #
 # Run from the repository root (no install needed):  OUT=/path/to/out bash scripts/gpu_kernels.sh
@@ -12,7 +12,7 @@
 #
 # Writes three files in $OUT (default ./kernels-out):
 #   kernels_tests.log     environment, then both pytest runs (-rs: skip reasons, slowest tests)
-#   kernels_bench.jsonl   one JSON line per benchmark config (see loopserve/bench/kernels.py)
+#   kernels_bench.jsonl   one JSON line per benchmark config (see benchmarks/kernel_bench.py)
 #   kernels_bench.log     everything the benchmark printed, errors included
 # Exits non-zero if any step failed or timed out; later steps run anyway.
 set -uo pipefail
@@ -54,8 +54,8 @@ step "pytest -m gpu tests/kernels" "$TESTS_LOG" "$TEST_TIMEOUT" \
   "$PYTHON" -m pytest -m gpu tests/kernels -q -rs --durations=10 -p no:cacheprovider
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-step "python -m loopserve.bench.kernels $BENCH_ARGS" "$BENCH_LOG" "$BENCH_TIMEOUT" \
-  "$PYTHON" -m loopserve.bench.kernels $BENCH_ARGS --out "$BENCH_JSONL"
+step "python -m benchmarks.kernel_bench $BENCH_ARGS" "$BENCH_LOG" "$BENCH_TIMEOUT" \
+  "$PYTHON" -m benchmarks.kernel_bench $BENCH_ARGS --out "$BENCH_JSONL"
 
 step "pytest -m 'not gpu' tests/kernels (small shapes)" "$TESTS_LOG" "$SMALL_TIMEOUT" \
   "$PYTHON" -m pytest -m "not gpu" tests/kernels -q -rs --durations=5 -p no:cacheprovider

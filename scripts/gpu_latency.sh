@@ -7,13 +7,13 @@
 #   tests   pytest -m "gpu or not gpu" $TESTS: the fused step kernels (their CPU tests compiled
 #           for CUDA, and their GPU tests in bf16, eager and graphed), the engine suite (fp32 ==
 #           serial reference, bf16 alone == in a batch, graphs == eager, no sync)
-#   budget  python -m loopserve.bench.step_budget --concurrency $BUDGET_C, baseline and this tree,
+#   budget  python -m benchmarks.step_budget --concurrency $BUDGET_C, baseline and this tree,
 #           A B B A (BUDGET_PHASES="A1:<tree> B1:<tree>" for fewer): one loop's per-kernel budget
 #   ab      scripts/gpu_ab.sh, baseline (A) against this tree (B): $AB_ARGS (decode throughput
 #           and TPOT at C=1, 8, 32, fixed depth and d2.6)
 #   ttft    scripts/gpu_ab.sh again on one 1024-token prompt at a time: $TTFT_ARGS
 #   invariant  (not in the default PARTS) the batch_invariant setting: its kernel, engine and
-#           full-size GPU tests, python -m loopserve.bench.invariant_matmul, the full-size
+#           full-size GPU tests, python -m benchmarks.invariant_matmul, the full-size
 #           alone-vs-batch probe with the setting on, and gpu_ab.sh of this tree default against
 #           --batch-invariant: $INVARIANT_ARGS (no baseline needed)
 # Writes in $OUT: latency.log (everything), budget-{A1,B1,B2,A2}.jsonl,
@@ -57,7 +57,7 @@ if wants budget; then
   for phase in ${BUDGET_PHASES:-A1:$BASELINE B1:$PWD B2:$PWD A2:$BASELINE}; do
     name="${phase%%:*}" tree="${phase#*:}"
     step "step_budget $name ($tree)" "$LOG" "${BUDGET_TIMEOUT:-90}" bash -c "cd '$tree' &&
-      PYTHONPATH='$tree' '$PYTHON' -m loopserve.bench.step_budget --concurrency $BUDGET_C \
+      PYTHONPATH='$tree' '$PYTHON' -m benchmarks.step_budget --concurrency $BUDGET_C \
       --out '$OUT/budget-$name.jsonl'"
   done
 fi
@@ -74,9 +74,7 @@ if wants invariant; then
     -m pytest -m "gpu or not gpu" tests/kernels/test_matmul.py tests/gpu/test_engine_gpu.py \
     tests/gpu/test_invariance_full_size.py -q -rs -p no:cacheprovider
   step "invariant_matmul" "$LOG" 120 env PYTHONPATH="$PWD" "$PYTHON" \
-    -m loopserve.bench.invariant_matmul --out "$OUT/invariant_matmul.jsonl"
-  step "invariance_probe" "$LOG" 200 env PYTHONPATH="$PWD" "$PYTHON" \
-    scripts/invariance_probe.py --engine-only --batch-invariant
+    -m benchmarks.invariant_matmul --out "$OUT/invariant_matmul.jsonl"
   step "gpu_ab.sh default vs --batch-invariant" "$LOG" "${AB_TIMEOUT:-400}" env \
     OUT="$OUT/invariant" B_ARGS="--batch-invariant" LABELS=default,batch_invariant \
     BENCH_ARGS="$INVARIANT_ARGS" bash scripts/gpu_ab.sh

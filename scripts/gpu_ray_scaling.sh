@@ -195,6 +195,6 @@ say "done"
   echo "Extra body min_loops=$FIXED_LOOPS: fixed depth; '-': the d2.6 trace."
   echo "Shared prefix rows: 50 % of the prompts share $PREFIX_LEN tokens. $(date -u +%F)"
   echo
-  "$PYTHON" -m loopserve.bench.serve_table "$RUNS"
+  "$PYTHON" -m benchmarks.serve_table "$RUNS"
 } >"$OUT/scaling.md"
 cat "$OUT/scaling.md"

@@ -1,8 +1,8 @@
 """The closed loop of the offline protocol: keep C requests in flight until 2 × C have finished.
 
 Owns: building a wave of seeded random requests (`make_requests`), driving an engine with them
-(`run_closed_loop`) and recording what happened (`TrialRecord`). Must not: compute figures (that
-is `figures.py`), time anything but the loop itself, or import torch.
+(`run_closed_loop`) and recording what happened (a `trial.TrialRecord`). Must not: compute
+figures (that is `figures.py`), time anything but the loop itself, or import torch.
 
 A finished request is replaced before the next engine step, so the engine always holds C requests
 while any are queued. The clock starts before the first `add_request` and stops when the last
@@ -23,6 +23,7 @@ import numpy as np
 
 from loopserve.bench.prompts import shared_prefix
 from loopserve.bench.sweep_spec import Workload
+from loopserve.bench.trial import EngineCounters, RequestRecord, TrialRecord
 from loopserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,43 +35,6 @@ if TYPE_CHECKING:
 class RequestSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """One finished request, reduced to what the figures and the floor need."""
-
-    request_id: str
-    num_prompt_tokens: int
-    exit_depths: tuple[int, ...]  # loops run for each generated token (the first: all of them)
-    arrival_time: float  # time.monotonic() seconds
-    first_token_time: float
-    token_times: tuple[float, ...]  # one per generated token
-    finished_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCounters:
-    """Differences of the engine's cumulative statistics over one loop."""
-
-    decode_steps: int  # steps that ran at least one decode row (one loop of the stack each)
-    row_loops: int  # decode rows executed, summed over steps
-    prefill_tokens: int
-    generated_tokens: int
-    preemptions: int = 0
-    prefix_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens admitted
-
-
-@dataclass(frozen=True, slots=True)
-class TrialRecord:
-    requests: list[RequestRecord]
-    duration_s: float
-    counters: EngineCounters
-    peak_kv_pages: int  # most KV pages in use after any step
-    kv_pages_total: int  # usable pages of the engine
-    peak_running: int  # most requests the engine ran at once
-    min_in_flight_while_queued: int  # fewest in flight at a step while requests still waited
-    peak_memory_bytes: int | None = None  # filled in by the caller on CUDA
 
 
 def make_requests(

@@ -18,8 +18,8 @@ import statistics
 
 import numpy as np
 
-from loopserve.bench.closed_loop import TrialRecord
 from loopserve.bench.floor import Ceilings, ModelBytes, floor_estimate, work_counts
+from loopserve.bench.trial import TrialRecord
 
 Figure = float | int | None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loopserve.bench.closed_loop import TrialRecord
+from loopserve.bench.trial import TrialRecord
 
 FLOOR_METHOD = (
     "decode bytes / copy bandwidth + prefill FLOPs / matmul ceiling. Decode bytes = engine "

@@ -21,7 +21,8 @@ import triton.language as tl
 @triton.jit
 def inverse_rms(x, mask, size, eps):
     """rsqrt(mean(x^2) + eps) of one row, x fp32 [BLOCK]. A kernel that calls it on the same
-    [BLOCK] row shape reduces a row in the same order (scripts/norm_matmul_probe.py does)."""
+    [BLOCK] row shape reduces a row in the same order (the norm-prologue matmul measured in
+    docs/latency.md did)."""
     x = tl.where(mask, x, 0.0)
     return tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
 

@@ -1,20 +1,32 @@
 """The elementwise and row-wise operations of a layer, as torch ops or as fused Triton kernels.
 
-Owns: `TorchOps` (the reference math, used on CPU, in training and wherever Triton is absent) and
-`TritonOps` (one launch per operation, for CUDA decode steps, where kernel count dominates).
+Owns: `RMSNorm` (the weights a norm op reads), `TorchOps` (the reference math, used on CPU, in
+training and wherever Triton is absent) and `TritonOps` (one launch per operation, for CUDA decode
+steps, where kernel count dominates).
 Must not: differ in math: both round to the model dtype at the same points (see
 kernels/fused_ops.py); tests compare them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-if TYPE_CHECKING:
-    from loopserve.models.ouro import RMSNorm
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, cast back, then scale (the HF order of operations).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

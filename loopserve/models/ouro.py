@@ -17,7 +17,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from loopserve.models.ops import ModelOps, TorchOps
+from loopserve.models.ops import ModelOps, RMSNorm, TorchOps
 from loopserve.models.ouro_config import OuroConfig
 
 # (layer index, q [T, Nq, D], k [T, Nkv, D], v [T, Nkv, D]) -> attention output [T, Nq, D]
@@ -32,19 +32,6 @@ class LoopContext:
     sin: torch.Tensor  # [T, D]
     attention: AttentionFn
     attention_rotates: bool = False  # attention applies RoPE to q and k itself (same bits)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, cast back, then scale (the HF order of operations).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding:

@@ -4,8 +4,8 @@ Owns: `capture` (a warm-up run on a side stream, so kernels compile and workspac
 outside the capture; an optional undo of what the warm-up changed; then the capture into a
 shared memory pool) and `Captured` (the graph and the output every replay rewrites). Used by the
 decode step's graphs (`runner/cuda_graphs.py`), the prompt loop's (`runner/prompt_graphs.py`)
-and the benchmarks' replay timer (`bench/graph_replay.py`). Must not: decide what is captured or
-when.
+and the workbench's replay timer (`benchmarks/graph_replay.py`). Must not: decide what is
+captured or when.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from loopserve.bench.closed_loop import TrialRecord, make_requests, run_closed_loop
+from loopserve.bench.closed_loop import make_requests, run_closed_loop
 from loopserve.bench.sweep_spec import Workload
+from loopserve.bench.trial import TrialRecord
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from tests.conftest import TINY_CONFIG

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from loopserve.bench.closed_loop import EngineCounters, RequestRecord, TrialRecord
 from loopserve.bench.engine_pool import model_bytes
 from loopserve.bench.figures import FIGURES, aggregate, percentile, trial_figures
 from loopserve.bench.floor import (
@@ -16,6 +15,7 @@ from loopserve.bench.floor import (
     per_token_floor_s,
     work_counts,
 )
+from loopserve.bench.trial import EngineCounters, RequestRecord, TrialRecord
 from loopserve.config import EngineConfig
 from loopserve.runner.setup import build_runner
 from tests.conftest import TINY_CONFIG

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopserve.attention.flashinfer.backend import flashinfer_installed
+from loopserve.attention.flashinfer.library import flashinfer_installed
 from loopserve.attention.registry import BackendUnavailableError
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine

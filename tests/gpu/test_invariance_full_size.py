@@ -6,8 +6,8 @@ share the call. On the H200 this holds at every row count for the qkv, o and gat
 projections and the LM head, and for the down projection (K = 5,632) only up to 64 rows: from 96
 rows cuBLAS reduces it differently, so requests in decode batches of more than 64 rows can
 differ from their alone runs (docs/latency.md, "Batch invariance at full size";
-`scripts/invariance_probe.py`). This test holds what holds, so a torch or cuBLAS change that
-narrows it is seen.
+`scripts/invariance_probe.py` at b194bdd). This test holds what holds, so a torch or cuBLAS
+change that narrows it is seen.
 """
 
 from __future__ import annotations

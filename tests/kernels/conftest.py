@@ -4,12 +4,14 @@ Triton decides between compiler and interpreter when a kernel is *defined*, so T
 must be set before the kernel modules are imported: this conftest sets it while this directory is
 collected (the test modules import the kernels at the top) and while each of its tests runs. It
 restores the previous value after collection, so tests of other directories, which expect `auto`
-to choose the torch backend on a CPU, never see it. With a GPU it is never set.
+to choose the torch backend on a CPU, never see it. With a GPU it is never set. The workbench's
+kernel tests (benchmarks/tests) run under the same rules: their conftest imports this one's.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ import torch
 from tests.kernels import interpreter_patching
 
 ON_GPU = torch.cuda.is_available()
+# The folders whose GPU-marked tests are skipped (not run in the interpreter) without a GPU.
+KERNEL_TEST_DIRS = (Path(__file__).parent, Path(__file__).parents[2] / "benchmarks" / "tests")
 _PREVIOUS = os.environ.get("TRITON_INTERPRET")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -33,7 +37,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _interpreter_while_testing(monkeypatch: pytest.MonkeyPatch) -> None:
+def interpreter_while_testing(monkeypatch: pytest.MonkeyPatch) -> None:
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
@@ -45,7 +49,6 @@ def device() -> torch.device:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA GPU (realistic sizes are too slow to interpret)")
-    here = os.path.dirname(__file__)
     for item in items:
-        if "gpu" in item.keywords and not ON_GPU and str(item.path).startswith(here):
+        if "gpu" in item.keywords and not ON_GPU and item.path.parent in KERNEL_TEST_DIRS:
             item.add_marker(skip)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from loopserve.attention.base import AttentionSpec
-from loopserve.attention.flashinfer.backend import FlashInferBackend, flashinfer_installed
+from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend
+from loopserve.attention.flashinfer.library import flashinfer_installed
 from loopserve.attention.flashinfer.xqa import FlashInferXQABackend
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.kv.metadata import AttentionMetadata

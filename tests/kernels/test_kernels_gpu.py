@@ -15,7 +15,6 @@ import torch
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
-from loopserve.bench.decode_sweep import TILING_CANDIDATES, fixed_schedule
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
 
 from .batch_specs import (
@@ -163,7 +162,7 @@ def ouro_decode_batch() -> tuple[Batch, torch.Tensor]:
     return batch, dense_reference(batch)
 
 
-def _check_tiling(
+def check_tiling(
     batch: Batch, expected: torch.Tensor, shape: HeadShape, tiling, separate_write: bool = True
 ) -> None:
     """Correct, and one row's bits the same under every schedule, write mode, and alone.
@@ -173,7 +172,7 @@ def _check_tiling(
     schedules = [(0.0, True, False), (8.0, True, False), (4.0, True, True)]
     schedules += [(2.0, False, False)] * separate_write
     for per_sm, fused_write, last in schedules:
-        backend = _backend(shape, tiling, fixed_schedule(per_sm, fused_write, last))
+        backend = _backend(shape, tiling, DecodeSchedule(((1 << 30, per_sm),), fused_write, last))
         outs.append(run_backend(backend, batch))
     torch.testing.assert_close(outs[0].double().cpu(), expected, **tolerance(shape.dtype))
     for out in outs[1:]:
@@ -184,15 +183,7 @@ def _check_tiling(
         assert torch.equal(outs[0][tokens], alone), f"row {index} alone"
 
 
-@pytest.mark.parametrize("name", sorted(TILING_CANDIDATES))
-def test_sweep_tiling_at_ouro_shape(name: str, ouro_decode_batch) -> None:
-    """The separate-write kernel variant only for the two paths' defaults (compile time)."""
-    batch, expected = ouro_decode_batch
-    separate_write = name in ("lanes-n32-w4-s3", "dots-n64-w4-s3")
-    _check_tiling(batch, expected, OURO, TILING_CANDIDATES[name], separate_write)
-
-
 @pytest.mark.parametrize("name", sorted(GQA_TILINGS))
 def test_gqa_tilings(name: str) -> None:
     batch = build_batch(SWEEP_ROWS[:6], GQA, DEVICE, block_size=BLOCK, seed=7)
-    _check_tiling(batch, dense_reference(batch), GQA, GQA_TILINGS[name])
+    check_tiling(batch, dense_reference(batch), GQA, GQA_TILINGS[name])

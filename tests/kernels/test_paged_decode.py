@@ -1,10 +1,9 @@
 """Paged decode kernels against the float64 dense reference and the torch backend.
 
 Both tile paths (CUDA-core lanes, tensor-core dots), the fused and the separate combine, the fused
-KV write, and every tiling the decode sweep can launch (scaled to CPU sizes: the interpreter
-ignores warps and stages, so tilings differing only in those, or only in partitions longer than
-every test row, run once). Batch invariance: a row's bits alone equal its bits in a batch, for any
-programs per row.
+KV write (every tiling the decode sweep can launch is checked with these helpers by
+benchmarks/tests/test_sweep_tilings.py). Batch invariance: a row's bits alone equal its bits in
+a batch, for any programs per row.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import torch
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.torch_backend import write_kv as reference_write_kv
-from loopserve.bench.decode_sweep import TILING_CANDIDATES
 from loopserve.kernels.fused_ops import rotary_qk_
 from loopserve.kernels.paged_decode import DecodeTiling, new_workspace, paged_decode_attention
 
@@ -26,7 +24,6 @@ from .batch_specs import (
     PREFILL_SPECS,
     Batch,
     HeadShape,
-    Row,
     build_batch,
     decode_subset,
     dense_reference,
@@ -44,7 +41,7 @@ SMALL = {"max_partitions": 4}
 PATHS = {"lanes": dataclasses.replace(LANES, **SMALL), "dots": dataclasses.replace(DOTS, **SMALL)}
 
 
-def _decode(
+def decode(
     batch: Batch,
     tiling: DecodeTiling,
     splits: int,
@@ -106,7 +103,7 @@ def _torch_backend_output(batch: Batch, shape: HeadShape) -> torch.Tensor:
     return backend.forward(batch.q, batch.k, batch.v, batch.kv, batch.layer, batch.metadata)
 
 
-def _assert_matches(out: torch.Tensor, batch: Batch, dtype: torch.dtype) -> None:
+def assert_matches(out: torch.Tensor, batch: Batch, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double().cpu(), dense_reference(batch), **tolerance(dtype))
     padding = torch.tensor([row.seq_len == 0 for row in batch.rows])
     assert torch.all(out.cpu()[padding] == 0)
@@ -129,8 +126,8 @@ def test_decode_matches_references(
     """Three programs per row (separate combine; rows of one partition finish in the kernel)."""
     batch = build_batch(DECODE_SPECS[spec], shape, device, seed=len(spec))
     reference = _torch_backend_output(batch, shape)  # also writes this pass's K/V
-    out = _decode(batch, PATHS[path], splits=3)
-    _assert_matches(out, batch, shape.dtype)
+    out = decode(batch, PATHS[path], splits=3)
+    assert_matches(out, batch, shape.dtype)
     torch.testing.assert_close(out.cpu(), reference.cpu(), **tolerance(shape.dtype))
 
 
@@ -140,8 +137,8 @@ def test_fused_kv_write_and_combine(path: str, device: torch.device) -> None:
     NaN until then, so a missing or misplaced write fails; the written cache equals kv_write's."""
     shape = GQA
     batch = build_batch(DECODE_SPECS["mixed_lengths"], shape, device, seed=5)
-    out = _decode(batch, PATHS[path], splits=1, fused_write=True)
-    _assert_matches(out, batch, shape.dtype)
+    out = decode(batch, PATHS[path], splits=1, fused_write=True)
+    assert_matches(out, batch, shape.dtype)
     fused_cache = batch.kv.cache[batch.layer].clone()
     _written(batch)
     assert torch.equal(fused_cache.nan_to_num(7.0), batch.kv.cache[batch.layer].nan_to_num(7.0))
@@ -165,10 +162,10 @@ def test_rotary_in_the_kernel_equals_rotary_then_decode(
     sin = torch.randn(tokens, shape.head_dim, generator=angles).to(shape.dtype).to(device)
     separate = build_batch(rows, shape, device, seed=9)
     q, k = rotary_qk_(separate.q.clone(), separate.k.clone(), cos, sin)
-    expected = _decode(dataclasses.replace(separate, q=q, k=k), PATHS[path], 3, fused_write=True)
+    expected = decode(dataclasses.replace(separate, q=q, k=k), PATHS[path], 3, fused_write=True)
     fused = build_batch(rows, shape, device, seed=9)
     q_before, k_before = fused.q.clone(), fused.k.clone()
-    out = _decode(fused, PATHS[path], 3, fused_write=True, last_combines=True, rope=(cos, sin))
+    out = decode(fused, PATHS[path], 3, fused_write=True, last_combines=True, rope=(cos, sin))
     assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0))
     cache, expected_cache = fused.kv.cache[fused.layer], separate.kv.cache[separate.layer]
     assert torch.equal(cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
@@ -184,14 +181,14 @@ def test_decode_is_batch_invariant(shape: HeadShape, path: str, device: torch.de
     and with the K/V write fused or not."""
     batch = _written(build_batch(DECODE_SPECS["long_rows"], shape, device))
     tiling = PATHS[path]
-    in_batch = [_decode(batch, tiling, splits) for splits in (1, 2, 5)]
-    in_batch.append(_decode(batch, tiling, 3, fused_write=True))
-    in_batch.append(_decode(batch, tiling, 3, last_combines=True))
+    in_batch = [decode(batch, tiling, splits) for splits in (1, 2, 5)]
+    in_batch.append(decode(batch, tiling, 3, fused_write=True))
+    in_batch.append(decode(batch, tiling, 3, last_combines=True))
     for index in (0, 1):  # 300 and 77 tokens: several partitions each
-        alone = _decode(batch, tiling, splits=4, only_row=index)
+        alone = decode(batch, tiling, splits=4, only_row=index)
         for out in in_batch:
             assert torch.equal(out[index], alone[0])
-    _assert_matches(in_batch[0], batch, shape.dtype)
+    assert_matches(in_batch[0], batch, shape.dtype)
 
 
 def test_decode_leaves_prompt_rows_alone(device: torch.device) -> None:
@@ -200,7 +197,7 @@ def test_decode_leaves_prompt_rows_alone(device: torch.device) -> None:
     batch = _written(build_batch(PREFILL_SPECS["packed_mixed"], shape, device))
     expected = dense_reference(batch)
     for tiling, splits in ((PATHS["lanes"], 2), (PATHS["dots"], 1)):
-        out = _decode(batch, tiling, splits=splits).cpu()
+        out = decode(batch, tiling, splits=splits).cpu()
         starts = batch.starts
         for index, row in enumerate(batch.rows):
             rows = slice(starts[index], starts[index + 1])
@@ -210,42 +207,3 @@ def test_decode_leaves_prompt_rows_alone(device: torch.device) -> None:
                 )
             else:
                 assert out[rows].isnan().all()
-
-
-def _partition_sizes(tiling: DecodeTiling, seq_len: int) -> tuple[int, ...]:
-    """The sizes of a row's partitions under `tiling` (the kernel's `partition_doublings`)."""
-    doublings = 0
-    while (tiling.partition_min * tiling.max_partitions << doublings) < seq_len:
-        doublings += 1
-    size = tiling.partition_min << doublings
-    return tuple(min(size, seq_len - start) for start in range(0, seq_len, size))
-
-
-def _result_tilings() -> list[DecodeTiling]:
-    """The sweep's tilings, deduplicated on what the interpreter runs: not warps or stages, and
-    not partition sizes beyond the rows (p512 and p1024 both leave every row of SWEEP_ROWS one
-    partition, its tiles and workspace alike: p1024 ran p512's work again, 3.5 s)."""
-    seen: dict[tuple, DecodeTiling] = {}
-    for tiling in TILING_CANDIDATES.values():
-        key = (tiling.tensor_cores, tiling.heads_per_program, tiling.block_n)
-        key += tuple(_partition_sizes(tiling, row.seq_len) for row in SWEEP_ROWS)
-        key += (tiling.partitions_bound(_SWEEP_CONTEXT),)
-        seen.setdefault(key, tiling)
-    return list(seen.values())
-
-
-SWEEP_ROWS = [Row(300), Row(129), Row(1), Row(0), Row(64)]
-_SWEEP_CONTEXT = 320  # build_batch's page table: 38 pages of 8 for 300 tokens, 2 spare columns
-
-
-@pytest.mark.parametrize("tiling", _result_tilings(), ids=str)
-def test_sweep_tilings(tiling: DecodeTiling, device: torch.device) -> None:
-    """Every tiling the sweep launches (its Ouro head count scaled to a CPU shape): correct with
-    the fold in the kernel, separate, or by the last program, bitwise equal across them."""
-    shape = GQA if tiling.tensor_cores else MHA_FP32
-    batch = build_batch(SWEEP_ROWS, shape, device, seed=11)
-    fused = _decode(batch, tiling, splits=1, fused_write=True)
-    _assert_matches(fused, batch, shape.dtype)
-    split = _decode(batch, tiling, splits=2)  # the K/V are in the cache now
-    assert torch.equal(fused, split)
-    assert torch.equal(fused, _decode(batch, tiling, splits=3, last_combines=True))

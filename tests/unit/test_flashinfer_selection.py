@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import loopserve.attention.flashinfer.backend as backend_module
+import loopserve.attention.flashinfer.library as library_module
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend, default_decode_kernel
@@ -50,7 +50,7 @@ def ouro(**changes: object) -> AttentionSpec:
 @pytest.fixture
 def installed(monkeypatch: pytest.MonkeyPatch) -> fake_flashinfer.Calls:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(backend_module, "jit_compiler_found", lambda: True)
+    monkeypatch.setattr(library_module, "jit_compiler_found", lambda: True)
     return fake_flashinfer.install(monkeypatch)
 
 

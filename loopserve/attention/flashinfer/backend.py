@@ -1,5 +1,5 @@
-"""What the FlashInfer backends share: capability declarations beyond the base class, the lazy
-import, the KV write, and the split of a pass between the decode path and the prefill path.
+"""What the FlashInfer backends share: capability declarations beyond the base class, the KV
+write, and the split of a pass between the decode path and the prefill path.
 
 Owns: `FlashInferBackend`, the base of `flashinfer_fa2` and `flashinfer_xqa`. Must not: import
 flashinfer at module import time, read host lengths on the decode path (it is captured in CUDA
@@ -13,51 +13,17 @@ with prompt chunks: the decode step is a pass of its own).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import sys
 from abc import abstractmethod
-from types import ModuleType
 from typing import ClassVar
 
 import torch
 
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
+from loopserve.attention.flashinfer import library
 from loopserve.attention.flashinfer.prefill import FA3_HEAD_SIZES, PagedPrefill, PrefillPlan
 from loopserve.kernels.availability import compiled_for
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
-
-INSTALL_HINT = "pip install 'loopserve[flashinfer]'"
-
-
-def flashinfer_installed() -> bool:
-    if "flashinfer" in sys.modules:  # imported already (or a test's stand-in)
-        return True
-    return importlib.util.find_spec("flashinfer") is not None
-
-
-def jit_compiler_found() -> bool:
-    """Whether FlashInfer can build its kernels on first use: with nvcc, looked up as FlashInfer
-    does (`CUDA_HOME` / `CUDA_PATH`, else `nvcc` on PATH, else /usr/local/cuda), or from the
-    prebuilt `flashinfer-jit-cache` package."""
-    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
-        return True
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home is None:
-        on_path = shutil.which("nvcc")
-        if on_path is not None:
-            return True
-        home = "/usr/local/cuda"
-    return os.path.exists(os.path.join(home, "bin", "nvcc"))
-
-
-def import_flashinfer() -> ModuleType:
-    """flashinfer, imported on first use (about 3 s)."""
-    import flashinfer
-
-    return flashinfer
 
 
 class FlashInferBackend(OutBufferBackend):
@@ -116,9 +82,9 @@ class FlashInferBackend(OutBufferBackend):
 
     @classmethod
     def environment_reasons(cls, spec: AttentionSpec) -> list[str]:
-        if not flashinfer_installed():
-            return [f"flashinfer is not installed ({INSTALL_HINT})"]
-        if not jit_compiler_found():
+        if not library.flashinfer_installed():
+            return [f"flashinfer is not installed ({library.INSTALL_HINT})"]
+        if not library.jit_compiler_found():
             return [
                 "flashinfer builds its kernels on first use and finds no nvcc (set CUDA_HOME) "
                 "nor the flashinfer-jit-cache package"

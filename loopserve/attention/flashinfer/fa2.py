@@ -34,8 +34,9 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from loopserve.attention.base import AttentionSpec
-from loopserve.attention.flashinfer.backend import FlashInferBackend, import_flashinfer
+from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.csr import DecodeCSR
+from loopserve.attention.flashinfer.library import import_flashinfer
 from loopserve.attention.flashinfer.plan_cache import PlanCache, PlanKey, plan_key
 from loopserve.attention.flashinfer.prefill import KernelMismatchError
 from loopserve.kv.metadata import AttentionMetadata

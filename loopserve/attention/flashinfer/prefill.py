@@ -113,7 +113,7 @@ class PagedPrefill:
 
     def _wrapper_on(self, device: torch.device) -> Any:
         if self._wrapper is None:
-            from loopserve.attention.flashinfer.backend import import_flashinfer
+            from loopserve.attention.flashinfer.library import import_flashinfer
 
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._wrapper = import_flashinfer().BatchPrefillWithPagedKVCacheWrapper(

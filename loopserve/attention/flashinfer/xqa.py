@@ -29,7 +29,8 @@ from typing import ClassVar
 import torch
 
 from loopserve.attention.base import AttentionSpec
-from loopserve.attention.flashinfer.backend import FlashInferBackend, import_flashinfer
+from loopserve.attention.flashinfer.backend import FlashInferBackend
+from loopserve.attention.flashinfer.library import import_flashinfer
 from loopserve.kv.metadata import AttentionMetadata
 
 # The SM count XQA's multi-block heuristic is given: 1 makes it choose one CTA per row and KV head.

@@ -4,17 +4,21 @@ Owns: `build_app`, which wires one `ServingContext` into the routes (`/v1/comple
 `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`), starts the engine thread with the
 app and stops it (aborting what is left) when the app shuts down (`running`, which a Ray replica
 enters itself: it serves the app without a lifespan); on SIGTERM it aborts what is
-still running once the drain timeout has passed (see `shutdown`). Must not: hold module-level
+still running once the drain timeout has passed (`abort_after_drain`). Must not: hold module-level
 state (every app carries its own context) or call the engine (the engine thread owns it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,7 +37,6 @@ from loopserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopserve.entrypoints.openai.responses import ModelCard, ModelList, to_json
 from loopserve.entrypoints.openai.serving_chat import create_chat_completion
 from loopserve.entrypoints.openai.serving_completions import create_completion
-from loopserve.entrypoints.openai.shutdown import abort_after_drain
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Threads for the CPU work of requests (parsing, templates, tokenizing). Few: that work holds the
@@ -149,3 +152,41 @@ def _add_routes(app: FastAPI, context: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, context)
+
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def abort_after_drain(
+    loop: asyncio.AbstractEventLoop, engine: EngineThread, timeout_s: float
+) -> Callable[[], None]:
+    """Install the hook; returns a function that restores the previous handlers.
+
+    Graceful shutdown: the hook runs in front of the server's own signal handlers (uvicorn's,
+    which stop accepting connections and wait for open ones, still run) and schedules
+    `EngineThread.request_stop` after the drain timeout: every request still running is then
+    aborted and its client gets a final chunk with `finish_reason: "abort"` and `data: [DONE]`
+    (a non-streaming one a 503), so connections close and the server can exit. Does nothing off
+    the main thread (a server started in a thread handles no signals).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous: dict[int, Any] = {}
+
+    def on_signal(number: int, frame: FrameType | None) -> None:
+        # Runs on the main thread between bytecodes: only the thread-safe call is allowed here.
+        loop.call_soon_threadsafe(loop.call_later, timeout_s, engine.request_stop)
+        handler = previous.get(number)
+        if callable(handler):
+            handler(number, frame)
+        elif number == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    for number in SIGNALS:
+        previous[number] = signal.signal(number, on_signal)
+
+    def restore() -> None:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+    return restore

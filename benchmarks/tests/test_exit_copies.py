@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loopserve.bench.exit_copies import count_copies
+from benchmarks.exit_copies import count_copies
 
 
 def test_copies_by_hand() -> None:

@@ -1,6 +1,6 @@
 """How many kernels one decode loop launches, and from where: a census on the CPU.
 
-Owns: `python -m loopserve.bench.launch_census`, which runs the CUDA configuration of the decode
+Owns: `python -m benchmarks.launch_census`, which runs the CUDA configuration of the decode
 step (bf16, Triton attention, the fused Triton layer ops) on the CPU under triton's interpreter and
 counts, for one decode step after a steady start, every torch operation that would launch a
 kernel on a GPU (views and allocations excluded) and every Triton kernel launch, by operation
@@ -143,7 +143,7 @@ def per_layer(small: Census, large: Census) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loopserve.bench.launch_census")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.launch_census")
     parser.add_argument("--rows", type=int, default=1, help="rows in the decode step")
     parser.add_argument("--sites", type=int, default=25, help="call sites to print")
     parser.add_argument("--out", type=Path, help="also append the JSON line here")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loopserve.bench.serve_table import main, render
+from benchmarks.serve_table import main, render
 
 
 def _record(label: str, concurrency: int, tok_s: float, tpot_p99: float, **config: Any) -> dict:

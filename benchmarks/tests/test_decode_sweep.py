@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from loopserve.bench import decode_sweep as sweep_module
-from loopserve.bench import decode_sweep_report as report
-from loopserve.bench.decode_sweep import Sweep, fixed_schedule, run_sweep
+from benchmarks import decode_sweep as sweep_module
+from benchmarks import decode_sweep_report as report
+from benchmarks.decode_sweep import Sweep, fixed_schedule, run_sweep
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
 
 ROWS, CONTEXTS = (1, 32), (640, 8192)

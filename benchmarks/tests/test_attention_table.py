@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from loopserve.attention.base import AttentionSpec
-from loopserve.bench.attention_table import (
+from benchmarks.attention_table import (
     MAX_LAYERS,
     MIN_WORKING_SET,
     layers_for,
@@ -15,6 +14,7 @@ from loopserve.bench.attention_table import (
     parse_list,
     parse_prompts,
 )
+from loopserve.attention.base import AttentionSpec
 
 
 def test_parsing_and_layer_counts() -> None:

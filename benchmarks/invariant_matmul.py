@@ -1,6 +1,6 @@
 """What the batch-invariant down projection and exit gate cost against cuBLAS (GPU).
 
-`python -m loopserve.bench.invariant_matmul [--rows 1,8,...] [--out FILE]`: for Ouro-1.4B's down
+`python -m benchmarks.invariant_matmul [--rows 1,8,...] [--out FILE]`: for Ouro-1.4B's down
 projection (`kernels.matmul.linear` against cuBLAS, each after `fused_ops.silu_mul`, the same
 launch on both sides and in the timing) and exit gate (`kernels.matmul.gate_logit`, the bf16
 hidden state cast in the kernel, against `.float()` then cuBLAS) at each row count: µs per call
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.graph_replay import replay_ms
 from loopserve.bench.calibration import measure_ceilings
-from loopserve.bench.graph_replay import replay_ms
 from loopserve.kernels import fused_ops
 from loopserve.kernels.matmul import gate_logit, linear
 

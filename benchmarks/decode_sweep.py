@@ -1,5 +1,5 @@
-"""Decode-kernel sweep: tilings and schedules of the Triton decode kernel, and the kernel it
-replaced, timed per layer by CUDA-graph replay on the issue's shapes (rows x context).
+"""Decode-kernel sweep: tilings and schedules of the Triton decode kernel against the engine's
+default setting, timed per layer by CUDA-graph replay on the issue's shapes (rows x context).
 
 Owns: the candidates (`TILING_CANDIDATES`, `PROGRAMS_PER_SM`) and the sweep's stages; the summary
 (tables and the JSON to paste) is `decode_sweep_report.py`. Must not: assert correctness
@@ -9,14 +9,14 @@ default itself.
 Every timed call is one decode-only pass over `layers` layers of distinct KV (>= 256 MiB in all,
 so the L2 cannot hold it), exactly as the engine calls the backend per layer (KV write included),
 with page tables padded to the longest context (as the engine's are). Stages:
-1. the old kernel (`decode_baseline`) and every tiling with the default schedule, every shape;
+1. the engine's default setting and every tiling with the default schedule, every shape;
 2. the best tilings with every programs-per-SM value (deduplicated by the split count it gives);
 3. the best setting with the KV write as its own launch (what fusing it saves).
 A time budget (--budget-s) cuts stages 2 and 3 short; the summary uses what was measured.
 
-Usage: python -m loopserve.bench.decode_sweep [--budget-s 230] [--out FILE] [--rows 1,8,32,128]
+Usage: python -m benchmarks.decode_sweep [--budget-s 230] [--out FILE] [--rows 1,8,32,128]
            [--contexts 512,640,2048,8192] [--top 3]
-       python -m loopserve.bench.decode_sweep --smoke   (tiny shapes in the CPU interpreter)
+       python -m benchmarks.decode_sweep --smoke   (tiny shapes in the CPU interpreter)
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from loopserve.bench.decode_sweep_report import BASELINE
-from loopserve.bench.graph_replay import replay_ms
-from loopserve.bench.kernels import (
+from benchmarks.decode_sweep_report import BASELINE
+from benchmarks.graph_replay import replay_ms
+from benchmarks.kernel_bench import (
     SMOKE_SETTINGS,
     BenchSettings,
     KernelShape,
@@ -59,7 +59,7 @@ def _dots(**changes: Any) -> DecodeTiling:
 
 # Tilings fix a row's bits, so one is chosen per model shape. Names: path, tokens per tile (n),
 # warps (w), tiles in flight (s), smallest partition (p). All compile for sm_90a with triton 3.6
-# without spills (`python -m loopserve.bench.decode_compile`).
+# without spills (`python -m benchmarks.decode_compile`).
 TILING_CANDIDATES: dict[str, DecodeTiling] = {
     "lanes-n32-w4-s3": LANES,
     "lanes-n16-w4-s3": _lanes(block_n=16),
@@ -91,7 +91,8 @@ PROGRAMS_PER_SM = (0.0, 1.0, 2.0, 4.0, 8.0)
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One thing to time: the old kernel (tiling None) or a tiling under a schedule."""
+    """One thing to time: the backend's default setting (tiling None) or a tiling under a
+    schedule."""
 
     name: str  # the tiling's name in TILING_CANDIDATES, or BASELINE
     tiling: DecodeTiling | None
@@ -127,12 +128,12 @@ def decode_bytes(rows: int, context: int, shape: KernelShape) -> int:
 
 @dataclass(slots=True)
 class ShapeWorkload(Workload):
-    reference: torch.Tensor | None = None  # [T, Nq, D] the old kernel's output, last layer
+    reference: torch.Tensor | None = None  # [T, Nq, D] the default setting's output, last layer
 
 
 def _workload(rows: int, context: int, sweep: Sweep) -> ShapeWorkload:
     """Decode rows of `context` tokens, page tables padded to the longest swept context (as the
-    engine's are), and the old kernel's output as the reference."""
+    engine's are), and the default setting's output as the reference."""
     settings = sweep.settings
     built = build_workload([context] * rows, [1] * rows, settings)
     workload = ShapeWorkload(**{f.name: getattr(built, f.name) for f in dataclasses.fields(built)})
@@ -140,20 +141,21 @@ def _workload(rows: int, context: int, sweep: Sweep) -> ShapeWorkload:
     table = workload.metadata.page_table
     padded = torch.nn.functional.pad(table, (0, width - table.shape[1]))  # null page 0
     workload.metadata = dataclasses.replace(workload.metadata, page_table=padded)
-    step, _ = _baseline_step(workload, sweep.num_sms)
+    step, _ = _step(workload, Variant(BASELINE, None))
     step()
     workload.reference = workload.out.clone()
     return workload
 
 
-def _step(
-    workload: ShapeWorkload, variant: Variant, num_sms: int
-) -> tuple[Callable[[], None], int]:
+def _step(workload: ShapeWorkload, variant: Variant) -> tuple[Callable[[], None], int]:
     """(one pass over the workload's layers with the variant, programs per row it uses)."""
-    if variant.tiling is None:
-        return _baseline_step(workload, num_sms)
-    backend = type(workload.backend)(
-        workload.backend.spec, decode_tiling=variant.tiling, decode_schedule=variant.schedule
+    spec = workload.backend.spec
+    backend = (
+        type(workload.backend)(spec)
+        if variant.tiling is None
+        else type(workload.backend)(
+            spec, decode_tiling=variant.tiling, decode_schedule=variant.schedule
+        )
     )
 
     def step() -> None:
@@ -166,34 +168,13 @@ def _step(
     return step, backend.decode_split_programs(workload.metadata)
 
 
-def _baseline_step(workload: ShapeWorkload, num_sms: int) -> tuple[Callable[[], None], int]:
-    from loopserve.bench import decode_baseline as old
-
-    q, metadata, kv = workload.q, workload.metadata, workload.kv
-    tiling = old.DecodeTiling.for_shape(q.shape[1] // kv.num_kv_heads, q.shape[2])
-    rows = metadata.seq_lens.shape[0]
-    partitions = tiling.partitions_bound(metadata.page_table.shape[1] * kv.block_size)
-    workspace = old.new_workspace(rows, q.shape[1], q.shape[2], partitions, q.device)
-    head_programs = tiling.head_programs(q.shape[1], kv.num_kv_heads)
-    splits = old.split_programs(rows, head_programs, partitions, 4 * num_sms)
-
-    def step() -> None:
-        for layer in range(workload.layers):
-            old.baseline_decode(
-                q, workload.k, workload.v, kv.key_cache(layer), kv.value_cache(layer), metadata,
-                workload.out, workspace, scale=q.shape[2] ** -0.5, num_sms=num_sms,
-            )  # fmt: skip
-
-    return step, splits
-
-
 def measure(
     workload: ShapeWorkload, variant: Variant, rows: int, context: int, sweep: Sweep
 ) -> dict[str, object]:
     """One JSON record: µs per layer, TB/s and fraction of the copy ceiling, the largest
-    difference of the last layer's output to the old kernel's (`workload.reference`; relative:
+    difference of the last layer's output to the default setting's (`workload.reference`; relative:
     over its largest magnitude), or the error."""
-    from loopserve.bench.kernels import COPY_BANDWIDTH
+    from benchmarks.kernel_bench import COPY_BANDWIDTH
 
     record: dict[str, object] = {"bench": "decode_sweep", "variant": variant.name}
     record |= {"rows": rows, "context": context, "layers_per_call": workload.layers}
@@ -202,7 +183,7 @@ def measure(
         record["schedule"] = dataclasses.asdict(variant.schedule)
         record["covers_programs_per_sm"] = list(variant.covers)
     try:
-        step, splits = _step(workload, variant, sweep.num_sms)
+        step, splits = _step(workload, variant)
         timer = replay_ms if sweep.settings.device.type == "cuda" else _wall_ms
         seconds = timer(step) / 1e3 / workload.layers
         assert workload.reference is not None
@@ -218,7 +199,7 @@ def measure(
         "tbps": moved / seconds / 1e12,
         "fraction_of_copy": moved / seconds / COPY_BANDWIDTH,
         "max_abs_diff_vs_before": difference,
-        "relative_diff_vs_before": relative,  # over the old output's largest magnitude
+        "relative_diff_vs_before": relative,  # over the default output's largest magnitude
     }
 
 
@@ -282,7 +263,7 @@ def _default_splits(tiling: DecodeTiling, rows: int, sweep: Sweep) -> int:
 def stage_one(
     sweep: Sweep, tilings: dict[str, DecodeTiling]
 ) -> Callable[[int, int], list[Variant]]:
-    """The old kernel and every tiling under the default schedule."""
+    """The default setting and every tiling under the default schedule."""
 
     def variants_for(rows: int, context: int) -> list[Variant]:
         variants = [Variant(BASELINE, None)]
@@ -328,7 +309,7 @@ def stage_three(
 
 def run_sweep(sweep: Sweep, emit: Callable[[dict], None], tilings=None) -> list[dict]:
     """All stages within the budget; the records of every measurement."""
-    from loopserve.bench import decode_sweep_report as report
+    from benchmarks import decode_sweep_report as report
 
     tilings = tilings or TILING_CANDIDATES
     deadline = time.monotonic() + sweep.budget_s
@@ -347,7 +328,7 @@ def _sweep_from_args(args: argparse.Namespace) -> Sweep:
     if args.smoke:
         settings = SMOKE_SETTINGS
         return Sweep(settings, rows=(1, 3), contexts=(24, 40), top=1, budget_s=600, num_sms=1)
-    from loopserve.bench.kernels import cuda_timer
+    from benchmarks.kernel_bench import cuda_timer
 
     device = torch.device("cuda")
     settings = BenchSettings(device, cuda_timer, min_working_set=256 * 2**20)
@@ -358,8 +339,8 @@ def _sweep_from_args(args: argparse.Namespace) -> Sweep:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loopserve.bench import decode_sweep_report as report
-    from loopserve.bench.kernels import _environment
+    from benchmarks import decode_sweep_report as report
+    from benchmarks.kernel_bench import _environment
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rows", default="1,8,32,128")

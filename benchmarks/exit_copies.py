@@ -1,6 +1,6 @@
 """How much `full`-layout KV memory early exit fills with copies, and how much of it could be freed.
 
-Owns: `python -m loopserve.bench.exit_copies`. In the `full` layout a token that exits after loop e
+Owns: `python -m benchmarks.exit_copies`. In the `full` layout a token that exits after loop e
 has its K/V copied into planes e .. max_loops - 1 (docs/looped-models.md §3). A page of plane p is a
 *pure copy* of the page below it when every token on it exited at or before loop p: only then could
 two planes share one page without changing any result. This counts, over the seeded exit traces of

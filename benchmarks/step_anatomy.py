@@ -1,6 +1,6 @@
 """Where the time of a decode step goes, and which operations break batch invariance.
 
-Owns: `python -m loopserve.bench.step_anatomy`, a GPU diagnostic that prints one JSON line per
+Owns: `python -m benchmarks.step_anatomy`, a GPU diagnostic that prints one JSON line per
 finding: (1) for every matmul shape of an Ouro-1.4B loop and the LM head, whether row 0 of a batch
 of M rows is bitwise equal to the same row computed alone (M = 1); (2) the time of one loop of the
 shared stack, of the coda (LM head + sampling) and of the exit gate at several batch sizes, so the

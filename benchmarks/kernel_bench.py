@@ -11,9 +11,9 @@ CUDA graph: GPU time only, as in the engine's captured decode steps; bandwidth a
 use it). Each timed call runs `layers` layers of distinct KV, at least 512 MiB in all, so that the
 50 MB L2 cannot hold the working set of small configs.
 
-Usage: python -m loopserve.bench.kernels [--quick] [--out FILE]
-       python -m loopserve.bench.kernels --smoke  (tiny shapes in the CPU interpreter; code check)
-Decode tilings and schedules: python -m loopserve.bench.decode_sweep (see there).
+Usage: python -m benchmarks.kernel_bench [--quick] [--out FILE]
+       python -m benchmarks.kernel_bench --smoke  (tiny shapes in the CPU interpreter; code check)
+Decode tilings and schedules: python -m benchmarks.decode_sweep (see there).
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ PREFILL_CANDIDATES = (  # PrefillTiling overrides tried on 1 and 8 prompts of 10
 def configs(quick: bool) -> Iterator[Config]:
     """The standard H200 run: Ouro-shaped decode and prefill, then prefill tiling candidates.
 
-    Decode tilings and schedules are swept by `loopserve.bench.decode_sweep`.
+    Decode tilings and schedules are swept by `benchmarks.decode_sweep`.
     """
     batches = (1, 128) if quick else (1, 32, 128)
     contexts = (1024, 8192) if quick else (512, 1024, 2048, 4096, 8192)

@@ -1,4 +1,4 @@
-"""Markdown tables of `loopserve bench serve` runs (`python -m loopserve.bench.serve_table FILE`).
+"""Markdown tables of `loopserve bench serve` runs (`python -m benchmarks.serve_table FILE`).
 
 Owns: one row per run (its `--label`, workload and figures) in file order, and, where the labels
 name the sides of an A/B comparison (`A1`, `A2`, ... against `B1`, `B2`, ...), the B/A ratio of
@@ -113,7 +113,7 @@ def _table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m loopserve.bench.serve_table RUNS.jsonl", file=sys.stderr)
+        print("usage: python -m benchmarks.serve_table RUNS.jsonl", file=sys.stderr)
         return 2
     lines = Path(argv[0]).read_text().splitlines()
     print(render([json.loads(line) for line in lines if line.strip()]), end="")

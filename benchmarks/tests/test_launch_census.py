@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loopserve.bench.launch_census import decode_step_census, per_layer
+from benchmarks.launch_census import decode_step_census, per_layer
 from tests.kernels.conftest import ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the census runs the interpreter on the CPU")

@@ -1,6 +1,6 @@
 """The per-kernel time budget of one decode loop: what runs, how long, how many bytes, how fast.
 
-Owns: `python -m loopserve.bench.step_budget`, a GPU diagnostic for an Ouro-1.4B-shaped model with
+Owns: `python -m benchmarks.step_budget`, a GPU diagnostic for an Ouro-1.4B-shaped model with
 dummy weights. For each concurrency C it brings an engine to a steady decode state at fixed depth
 (the dummy model's threshold is 1: every row runs every loop, so one step = one loop of C
 rows), profiles one eager decode step with
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from loopserve.bench.step_profile import decode_step_kernels, device_step_ms, steady_engine
+from benchmarks.step_profile import decode_step_kernels, device_step_ms, steady_engine
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.decode_step import SamplingKind
 from loopserve.runner.model_runner import ModelRunner

@@ -13,7 +13,7 @@ so the 50 MB L2 cannot hold it). Reported: `layer_us` (median replay / layers), 
 graph of `prepare` alone), `tb_per_s` (K and V bytes of the context read per layer / layer_us).
 Prefill: fresh prompts, planned outside the graph (as the engine plans them per pass).
 
-Usage: python -m loopserve.bench.attention_table [--backends triton,flashinfer_fa2,...]
+Usage: python -m benchmarks.attention_table [--backends triton,flashinfer_fa2,...]
            [--rows 1,8,32,128] [--contexts 512,640,2048,8192] [--prefill 1x1024,8x1024]
            [--out FILE.jsonl] [--markdown FILE.md]
 Backend names are the registry's, plus `flashinfer_fa2:cuda_core` / `:tensor_core` to force one
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.graph_replay import replay_ms
+from benchmarks.kernel_bench import KernelShape as Shape
+from benchmarks.kernel_bench import kv_bytes_per_layer, paged_pass
 from loopserve.attention.base import AttentionBackend, AttentionSpec
 from loopserve.attention.registry import backend_class
-from loopserve.bench.graph_replay import replay_ms
-from loopserve.bench.kernels import KernelShape as Shape
-from loopserve.bench.kernels import kv_bytes_per_layer, paged_pass
 from loopserve.bench.provenance import describe
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage

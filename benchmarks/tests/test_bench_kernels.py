@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loopserve.bench import kernels as bench
+from benchmarks import kernel_bench as bench
 from loopserve.kernels.paged_decode import DecodeTiling
 from loopserve.kernels.paged_prefill import PrefillTiling
 

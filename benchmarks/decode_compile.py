@@ -7,8 +7,8 @@ GPU tests use; per variant: registers, spill stack, shared memory, 16-byte `cp.a
 loads), `bar.sync` and tensor-core instruction counts. Must not: be imported by the engine (it
 swaps triton's active driver while it runs).
 
-Usage: python -m loopserve.bench.decode_compile [--quick] [--json]
-       PYTHONPATH=$PWD:.carry/triton-3.6 python -m loopserve.bench.decode_compile   (triton 3.6)
+Usage: python -m benchmarks.decode_compile [--quick] [--json]
+       PYTHONPATH=$PWD:.carry/triton-3.6 python -m benchmarks.decode_compile   (triton 3.6)
 Exit status 1 if a variant fails to compile, spills more than MAX_SPILL bytes, or needs more
 shared memory than sm_90 has.
 """
@@ -135,7 +135,7 @@ def resources(kernel) -> dict[str, int]:
 
 def variants(quick: bool) -> Iterator[Variant]:
     """The sweep's tilings at Ouro's shape, then each test shape's default tiling."""
-    from loopserve.bench.decode_sweep import TILING_CANDIDATES
+    from benchmarks.decode_sweep import TILING_CANDIDATES
 
     for name, tiling in TILING_CANDIDATES.items():
         yield name, OURO, tiling

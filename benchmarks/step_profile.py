@@ -1,6 +1,6 @@
 """Profile the steady-state decode step of an Ouro-1.4B-shaped model on a GPU.
 
-Owns: `python -m loopserve.bench.step_profile`, which prints (1) the wall time of `Engine.step`
+Owns: `python -m benchmarks.step_profile`, which prints (1) the wall time of `Engine.step`
 split into launching the step, waiting for its results and the host's own work, (2) the device
 time of one decode step (graph replay and eager), and (3) the kernels of one eager step by device
 time (torch.profiler). Must not: assert speed, or reach into the engine: it hands the engine a
