@@ -6,7 +6,9 @@ asking for `--output-len` tokens with EOS ignored), arrivals (closed loop with
 `--max-concurrency`, Poisson at `--request-rate`, or both, as in `vllm bench serve`), timing each
 request from its stream, and the summary: one JSON line with the config, the git SHA and the
 figures in vLLM's units and key names (`*_ms` latencies with mean/median/std/p50/p90/p99,
-requests/s and tokens/s), plus the server's prefix-cache hit rate over the timed requests when
+requests/s and tokens/s; ITL is the gap between a stream's events, one per generated token: a
+server whose streams carry fewer events than tokens gets no TTFT / TPOT / ITL, and a
+`stream_warning` says why), plus the server's prefix-cache hit rate over the timed requests when
 its `/metrics` has loopserve's counters (else null). Must not: import torch or the engine; it
 only speaks HTTP (aiohttp), so it can measure any server. (numpy loads inside functions:
 `loopserve --help` imports this module.)"""
@@ -63,6 +65,7 @@ class RequestResult:
     ttft: float = 0.0  # seconds
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    token_events: int = 0  # stream events that carried generated tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     except ServerUnusable as error:
         print(f"loopserve bench serve: error: {error}", file=sys.stderr)
         return 1
+    if summary["stream_warning"]:
+        print(f"loopserve bench serve: warning: {summary['stream_warning']}", file=sys.stderr)
     line = json.dumps(summary)
     print(line)
     if args.output is not None:
@@ -146,7 +151,10 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--shared-prefix-fraction needs --shared-prefix-len")
     if not 0.0 <= fraction <= 1.0:
         raise ValueError("--shared-prefix-fraction must be in [0, 1]")
-    extra_body = json.loads(args.extra_body)
+    try:
+        extra_body = json.loads(args.extra_body)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--extra-body is not valid JSON ({error})") from None
     if not isinstance(extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
     return BenchConfig(
@@ -175,8 +183,13 @@ def _vocabulary(tokenizer_dir: str | None) -> list[int]:
 
     directory = resolve_model_dir(tokenizer_dir)
     tokenizer = Tokenizer.from_directory(directory)
-    if tokenizer is None:
-        raise FileNotFoundError(f"{directory} has no tokenizer.json; pass --tokenizer DIR")
+    if tokenizer is None:  # a checkpoint without one: any id below its vocabulary size
+        config = Path(directory) / "config.json"
+        if not config.is_file():
+            raise FileNotFoundError(
+                f"{directory} has neither tokenizer.json nor config.json; pass --tokenizer DIR"
+            )
+        return list(range(int(json.loads(config.read_text())["vocab_size"])))
     return [index for index in range(tokenizer.vocab_size) if index not in tokenizer.special_ids]
 
 
@@ -271,6 +284,7 @@ async def _read_stream(response: Any, result: RequestResult, sent: float) -> Non
             result.output_tokens = int(data["usage"]["completion_tokens"])
         choices = data.get("choices") or []
         if choices and (choices[0].get("text") or choices[0].get("exit_depths")):
+            result.token_events += 1
             if result.ttft == 0.0:
                 result.ttft = now - sent
             else:
@@ -306,6 +320,17 @@ def summarize(results: list[RequestResult], duration: float, config: BenchConfig
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
+    coarse = [result for result in done if result.token_events < result.output_tokens]
+    summary["stream_warning"] = None
+    if coarse:
+        summary["stream_warning"] = (
+            f"{len(coarse)} of {len(done)} streams carried fewer events than tokens (e.g. "
+            f"{coarse[0].token_events} events for {coarse[0].output_tokens} tokens): the server "
+            "does not stream a token per event, so TTFT, TPOT and ITL cannot be measured and "
+            "are not reported"
+        )
+        for metric in ("ttft", "tpot", "itl"):
+            samples[metric] = []
     for metric in METRICS:
         summary.update(_latency_figures(metric, samples[metric], config.percentiles))
     return summary

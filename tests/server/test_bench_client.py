@@ -113,3 +113,10 @@ def test_bench_serve_with_a_failing_warm_up_is_one_line(
     assert captured.out == ""
     assert captured.err.startswith("loopserve bench serve: error: the warm-up request failed")
     assert "max_loops" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_bench_serve_names_a_bad_extra_body(server: RunningServer, tiny_model: Path) -> None:
+    from loopserve.bench.serve_client import run
+
+    with pytest.raises(ValueError, match=r"--extra-body is not valid JSON"):
+        run(_args(server, tiny_model, "--extra-body", "{bad"))

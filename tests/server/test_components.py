@@ -191,30 +191,23 @@ def test_stop_aborts_running_requests() -> None:
     assert engine.aborted == ["r0"] and not engine.running
 
 
-def test_choice_state_streams_what_the_engine_released_and_nothing_twice() -> None:
-    """The engine holds back a possible stop string itself ("c" of stop "cd" below), so its text
-    only grows; the stream is that growth, and the tokens that came without new text ride along
-    with the next delta."""
+def test_choice_state_sends_a_delta_per_output_that_adds_tokens() -> None:
     state = ChoiceState()
-    sent = []
-    for tokens, text, finished in [(1, "ab", False), (2, "ab", False), (3, "ab", True)]:
-        state.update(_output("r", tokens, text, finished))
-        delta = state.take_delta()
-        if delta is not None:
-            sent.append(delta)
-    assert [delta.text for delta in sent] == ["ab", ""]
-    assert [len(delta.exit_depths) for delta in sent] == [1, 2]
-    assert sent[-1].finish_reason == "length"
-    assert state.take_delta() is None  # nothing after the last delta
+    sent = [state.delta(_output("r", tokens, text, finished)) for tokens, text, finished in [
+        (1, "ab", False), (2, "ab", False), (2, "ab", False), (3, "ab", True)
+    ]]  # fmt: skip
+    assert [delta.text if delta else None for delta in sent] == ["ab", "", None, ""]
+    assert [len(delta.exit_depths) if delta else 0 for delta in sent] == [1, 1, 0, 1]
+    assert sent[-1] is not None and sent[-1].finish_reason == "length"
+    assert state.delta(_output("r", 3, "ab", True)) is None  # nothing after the last delta
 
 
 def test_choice_state_carries_tokens_without_visible_text() -> None:
     state = ChoiceState()
-    state.update(_output("r", 1, "", False))  # half a UTF-8 character: no text yet
-    assert state.take_delta() is None
-    state.update(_output("r", 2, "é", False))
-    delta = state.take_delta()
-    assert delta is not None and delta.text == "é" and delta.token_ids == [0, 1]
+    first = state.delta(_output("r", 1, "", False))  # half a UTF-8 character: no text yet
+    assert first is not None and first.text == "" and first.token_ids == [0]
+    delta = state.delta(_output("r", 2, "é", False))
+    assert delta is not None and delta.text == "é" and delta.token_ids == [1]
 
 
 def test_histogram_and_metrics_render_prometheus_text() -> None:

@@ -1,10 +1,12 @@
-"""What one streamed choice has sent, and the next delta to send.
+"""What one streamed choice has sent, and the delta each engine output adds.
 
-Owns: turning a request's cumulative `RequestOutput`s into deltas: the text not yet sent and the
-tokens, exit depths and log-probs generated since the last delta. The engine's text only grows
-(its detokenizer holds back half characters and the possible start of a stop string until they
-are settled), so a delta is the text beyond what was sent. Slicing the cumulative text costs
-O(new text) per delta. Must not: decode tokens, look for stop strings (the engine's incremental
+Owns: turning a request's cumulative `RequestOutput`s into deltas, one per engine output that
+adds tokens or finishes the choice (as vLLM streams: an event per token, its text possibly
+empty): the text not yet sent and the tokens, exit depths and log-probs generated since the last
+delta. The engine's text only grows (its detokenizer holds back half characters and the possible
+start of a stop string until they are settled), so a delta's text is the text beyond what was
+sent, and may be empty while tokens arrive (held-back text, or a model without a tokenizer).
+Slicing the cumulative text costs O(new text) per delta. Must not: decode tokens, look for stop strings (the engine's incremental
 detokenizer does both) or format chunks.
 """
 
@@ -29,29 +31,24 @@ class ChoiceState:
     def __init__(self) -> None:
         self._num_chars_sent = 0
         self._num_tokens_sent = 0
-        self._latest: RequestOutput | None = None
         self._done = False
 
-    def update(self, output: RequestOutput) -> None:
-        self._latest = output
-
-    def take_delta(self) -> ChoiceDelta | None:
-        """What to send now, or None while no new text is visible and the choice runs on."""
-        if self._latest is None or self._done:
-            return None
-        output = self._latest.outputs[0]
-        text = output.text[self._num_chars_sent :]
-        if not text and not output.finished:
-            return None  # half a character, or text held back: carry the tokens forward
+    def delta(self, output: RequestOutput) -> ChoiceDelta | None:
+        """What `output` adds since the last delta; None where it adds no token and does not
+        finish the choice. Every output of the choice must pass through here, in order."""
+        sequence = output.outputs[0]
         start = self._num_tokens_sent
-        self._num_chars_sent = len(output.text)
-        self._num_tokens_sent = len(output.token_ids)
-        self._done = output.finished
+        if self._done or (len(sequence.token_ids) == start and not sequence.finished):
+            return None
+        text = sequence.text[self._num_chars_sent :]
+        self._num_chars_sent = len(sequence.text)
+        self._num_tokens_sent = len(sequence.token_ids)
+        self._done = sequence.finished
         return ChoiceDelta(
             text=text,
-            token_ids=output.token_ids[start:],
-            exit_depths=output.exit_depths[start:],
-            logprobs=output.logprobs[start:] if output.logprobs is not None else None,
-            finish_reason=output.finish_reason if output.finished else None,
-            stop_reason=output.stop_reason,
+            token_ids=sequence.token_ids[start:],
+            exit_depths=sequence.exit_depths[start:],
+            logprobs=sequence.logprobs[start:] if sequence.logprobs is not None else None,
+            finish_reason=sequence.finish_reason if sequence.finished else None,
+            stop_reason=sequence.stop_reason,
         )

@@ -84,18 +84,15 @@ async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
 async def choice_deltas(
     generation: Generation, plans: Sequence[ChoicePlan]
 ) -> AsyncIterator[tuple[ChoicePlan, ChoiceDelta]]:
-    """Per-choice deltas as outputs arrive: one per choice that has something new per batch."""
+    """Per-choice deltas as outputs arrive: one per engine output that adds tokens to a choice
+    or finishes it, in arrival order (so a stream carries an event per generated token)."""
     by_id = {plan.request.request_id: plan for plan in plans}
     states = {request_id: ChoiceState() for request_id in by_id}
     async for batch in generation.batches():
-        changed: dict[str, None] = {}
         for output in batch:
-            states[output.request_id].update(output)
-            changed[output.request_id] = None
-        for request_id in changed:
-            delta = states[request_id].take_delta()
+            delta = states[output.request_id].delta(output)
             if delta is not None:
-                yield by_id[request_id], delta
+                yield by_id[output.request_id], delta
 
 
 def usage(plans: Sequence[ChoicePlan], completion_tokens: int) -> Usage:
