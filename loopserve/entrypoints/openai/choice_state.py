@@ -6,8 +6,8 @@ empty): the text not yet sent and the tokens, exit depths and log-probs generate
 delta. The engine's text only grows (its detokenizer holds back half characters and the possible
 start of a stop string until they are settled), so a delta's text is the text beyond what was
 sent, and may be empty while tokens arrive (held-back text, or a model without a tokenizer).
-Slicing the cumulative text costs O(new text) per delta. Must not: decode tokens, look for stop strings (the engine's incremental
-detokenizer does both) or format chunks.
+Slicing the cumulative text costs O(new text) per delta. Must not: decode tokens, look for stop
+strings (the engine's incremental detokenizer does both) or format chunks.
 """
 
 from __future__ import annotations
