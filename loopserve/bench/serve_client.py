@@ -6,10 +6,9 @@ asking for `--output-len` tokens with EOS ignored), arrivals (closed loop with
 `--max-concurrency`, Poisson at `--request-rate`, or both, as in `vllm bench serve`), timing each
 request from its stream, and the summary: one JSON line with the config, the git SHA and the
 figures in vLLM's units and key names (`*_ms` latencies with mean/median/std/p50/p90/p99,
-requests/s and tokens/s; ITL is the gap between a stream's events, one per generated token: a
-server whose streams carry fewer events than tokens gets no TTFT / TPOT / ITL, and a
-`stream_warning` says why), plus the server's prefix-cache hit rate over the timed requests when
-its `/metrics` has loopserve's counters (else null). Must not: import torch or the engine; it
+requests/s and tokens/s, goodput; `serve_figures.py` computes them from the timed streams),
+plus the server's prefix-cache hit rate over the timed requests when its `/metrics` has
+loopserve's counters (else null). Must not: import torch or the engine; it
 only speaks HTTP (aiohttp), so it can measure any server. (numpy loads inside functions:
 `loopserve --help` imports this module.)"""
 
@@ -22,13 +21,13 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from loopserve.bench.prompts import serve_prompts
+from loopserve.bench.serve_figures import Goodput, RequestResult, summarize
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
 # loopserve's prefix-cache counters in /metrics, in prompt tokens: (hits, lookups).
 PREFIX_COUNTERS = ("loopserve:prefix_cache_hits_total", "loopserve:prefix_cache_queries_total")
 
@@ -52,20 +51,9 @@ class BenchConfig:
     seed: int
     percentiles: tuple[float, ...]
     extra_body: dict[str, Any]  # merged into every request (e.g. Ouro's max_loops)
+    goodput: Goodput | None  # the latency targets a request must meet to count as good
     warmup_requests: int
     label: str | None  # free text recorded with the run (which server, which side of an A/B)
-
-
-@dataclass(slots=True)
-class RequestResult:
-    prompt_len: int
-    success: bool = False
-    error: str = ""
-    output_tokens: int = 0
-    ttft: float = 0.0  # seconds
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    token_events: int = 0  # stream events that carried generated tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--percentiles", default="50,90,99", help="comma-separated, 0..100")
     parser.add_argument("--extra-body", default="{}", help="JSON merged into every request")
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="latency targets (ttft, tpot, e2el in ms, e.g. ttft:500 tpot:50): also report the "
+        "requests/s that met all of them, as vllm bench serve does",
+    )
     parser.add_argument("--warmup-requests", type=int, default=1, help="sent first, not timed")
     parser.add_argument("--output", type=Path, default=None, help="also append the line here")
     parser.add_argument("--label", default=None, help="recorded in the config (tells runs apart)")
@@ -171,6 +167,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         percentiles=tuple(float(part) for part in args.percentiles.split(",")),
         extra_body=extra_body,
+        goodput=Goodput.parse(args.goodput) if args.goodput else None,
         warmup_requests=args.warmup_requests,
         label=args.label,
     )
@@ -215,7 +212,7 @@ async def benchmark(config: BenchConfig, prompts: list[list[int]]) -> dict[str, 
         results = await _send_all(session, config, model, prompts)
         duration = time.perf_counter() - start
         after = await _prefix_counters(session, config)
-    summary = summarize(results, duration, config)
+    summary = summarize(results, duration, config.percentiles, config.goodput)
     summary["prefix_cache_hit_rate"] = _hit_rate(before, after)
     return {"config": _config_record(config, model), **summary}
 
@@ -292,66 +289,6 @@ async def _read_stream(response: Any, result: RequestResult, sent: float) -> Non
             last = now
     result.latency = time.perf_counter() - sent
     result.success = result.ttft > 0.0
-
-
-def summarize(results: list[RequestResult], duration: float, config: BenchConfig) -> dict[str, Any]:
-    """vLLM's figures: counts, throughputs, and mean/median/std/percentiles of each latency."""
-    done = [result for result in results if result.success]
-    input_tokens = sum(result.prompt_len for result in done)
-    output_tokens = sum(result.output_tokens for result in done)
-    samples: dict[str, list[float]] = {
-        "ttft": [result.ttft for result in done],
-        "tpot": [
-            (result.latency - result.ttft) / (result.output_tokens - 1)
-            for result in done
-            if result.output_tokens > 1
-        ],
-        "itl": [gap for result in done for gap in result.itl],
-        "e2el": [result.latency for result in done],
-    }
-    summary: dict[str, Any] = {
-        "duration": duration,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({result.error for result in results if result.error})[:5],
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(done) / duration,
-        "output_throughput": output_tokens / duration,
-        "total_token_throughput": (input_tokens + output_tokens) / duration,
-    }
-    coarse = [result for result in done if result.token_events < result.output_tokens]
-    summary["stream_warning"] = None
-    if coarse:
-        summary["stream_warning"] = (
-            f"{len(coarse)} of {len(done)} streams carried fewer events than tokens (e.g. "
-            f"{coarse[0].token_events} events for {coarse[0].output_tokens} tokens): the server "
-            "does not stream a token per event, so TTFT, TPOT and ITL cannot be measured and "
-            "are not reported"
-        )
-        for metric in ("ttft", "tpot", "itl"):
-            samples[metric] = []
-    for metric in METRICS:
-        summary.update(_latency_figures(metric, samples[metric], config.percentiles))
-    return summary
-
-
-def _latency_figures(
-    metric: str, seconds: list[float], percentiles: tuple[float, ...]
-) -> dict[str, float | None]:
-    import numpy as np
-
-    values = np.asarray(seconds, dtype=np.float64) * 1000.0
-    empty = values.size == 0
-    figures: dict[str, float | None] = {
-        f"mean_{metric}_ms": None if empty else float(values.mean()),
-        f"median_{metric}_ms": None if empty else float(np.median(values)),
-        f"std_{metric}_ms": None if empty else float(values.std()),
-    }
-    for q in percentiles:
-        label = f"{q:g}".replace(".", "_")
-        figures[f"p{label}_{metric}_ms"] = None if empty else float(np.percentile(values, q))
-    return figures
 
 
 def _config_record(config: BenchConfig, model: str) -> dict[str, Any]:

@@ -105,12 +105,30 @@ def test_bench_serve_measures_itl_on_a_tokenizerless_checkpoint(
 
 
 def test_bench_serve_refuses_latencies_from_coarse_streams() -> None:
-    from loopserve.bench.serve_client import RequestResult, summarize
+    from loopserve.bench.serve_figures import RequestResult, summarize
 
-    config = type("Config", (), {"percentiles": (50.0, 99.0)})()
     coarse = RequestResult(prompt_len=4, success=True, output_tokens=8, ttft=0.7, latency=0.7)
     coarse.token_events = 1  # the whole completion arrived in one event
-    summary = summarize([coarse], 1.0, config)  # type: ignore[arg-type]
+    summary = summarize([coarse], 1.0, (50.0, 99.0))
     assert "fewer events than tokens" in summary["stream_warning"]
     assert summary["median_ttft_ms"] is None and summary["median_tpot_ms"] is None
     assert summary["median_itl_ms"] is None and summary["median_e2el_ms"] == pytest.approx(700)
+
+
+def test_goodput_counts_the_requests_that_meet_every_target() -> None:
+    from loopserve.bench.serve_figures import Goodput, RequestResult, summarize
+
+    def result(ttft: float, latency: float) -> RequestResult:
+        timed = RequestResult(prompt_len=4, success=True, output_tokens=11, ttft=ttft)
+        timed.latency, timed.token_events = latency, 11
+        return timed
+
+    # TPOT of each: (latency - ttft) / 10 -> 10 ms, 10 ms, 50 ms
+    results = [result(0.1, 0.2), result(0.9, 1.0), result(0.1, 0.6)]
+    goodput = Goodput.parse(["ttft:500", "tpot:20"])
+    assert goodput.targets_ms == {"ttft": 500.0, "tpot": 20.0}
+    assert summarize(results, 2.0, (50.0,), goodput)["request_goodput"] == pytest.approx(0.5)
+    assert summarize(results, 2.0, (50.0,))["request_goodput"] is None
+    for bad in ("ttft", "itl:5", "tpot:x", "e2el:-1"):
+        with pytest.raises(ValueError, match="--goodput"):
+            Goodput.parse([bad])

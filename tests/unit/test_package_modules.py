@@ -27,8 +27,8 @@ MODULES: dict[str, set[str]] = {
     "bench": {
         "__init__", "calibration", "checkpoint_cache", "closed_loop", "compare", "engine_pool",
         "figures", "floor", "offline", "plot", "presets", "prompts", "provenance", "records",
-        "serve_client", "step_timeline", "summary", "sweep", "sweep_spec", "timed_runner",
-        "timeline_summary", "trial",
+        "serve_client", "serve_figures", "step_timeline", "summary", "sweep", "sweep_spec",
+        "timed_runner", "timeline_summary", "trial",
     },
     "data": {"__init__", "corpus", "windows"},
     "depth": {"__init__", "exit_test", "policy", "trace"},
