@@ -1,7 +1,8 @@
 """Engine configuration: frozen intent, as the user gave it.
 
 Owns: `EngineConfig` and the `SchedulerConfig` it holds, with one default and one help text per
-setting (the command line is generated from them) and their validation. Must not: hold anything
+setting (the command line is generated from them) and their validation, whose errors name both
+the field and its flag (`num_kv_pages (--num-kv-pages)`). Must not: hold anything
 resolved at run time (the number of KV pages, the chosen attention backend, the device dtype, eos
 ids: the runner reports those in `RunnerInfo`), or import torch.
 """
@@ -9,6 +10,7 @@ ids: the runner reports those in `RunnerInfo`), or import torch.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -36,6 +38,21 @@ def setting(default: Any, help: str, *, flag: str | None = None, choices: Any = 
     return field(default=default, metadata=metadata)
 
 
+def flag_of(item: Any) -> str:
+    """The command-line flag of a config field: its own `flag`, else `--the-field-name`."""
+    return item.metadata.get("flag") or "--" + item.name.replace("_", "-")
+
+
+def option_name(name: str) -> str:
+    """How errors name a setting: the field and its flag (`num_kv_pages (--num-kv-pages)`), so
+    Python and command-line users both recognise it."""
+    for config_class in (EngineConfig, SchedulerConfig):
+        for item in fields(config_class):
+            if item.name == name:
+                return f"{name} ({flag_of(item)})"
+    raise KeyError(name)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """How requests are batched, how deep their tokens run, and how their K/V are laid out."""
@@ -60,7 +77,10 @@ class SchedulerConfig:
         "later; trace: depths given in advance (benchmarks)",
     )
     trace_distribution: tuple[float, ...] = setting(
-        D2_6, "trace mode: P(depth = 1, 2, ...) for requests that give no depths"
+        D2_6,
+        "trace mode: P(depth = 1, 2, ...) for requests that give no depths, at most one per "
+        "loop of the model; on the command line they must sum to 1 (in Python they are weights, "
+        "normalized)",
     )
     kv_layout: KVLayout = setting(
         KVLayout.FULL,
@@ -86,15 +106,16 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
+        _check_finite(self)
         object.__setattr__(self, "trace_distribution", tuple(self.trace_distribution))
         check_distribution(self.trace_distribution)
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise _invalid(name, "must be at least 1", getattr(self, name))
         if not 0.0 <= self.kv_watermark < 1.0:
-            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+            raise _invalid("kv_watermark", "must be in [0, 1)", self.kv_watermark)
         if self.priority_bypass_limit < 0:
-            raise ValueError("priority_bypass_limit must be >= 0")
+            raise _invalid("priority_bypass_limit", "must be >= 0", self.priority_bypass_limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,27 +191,29 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
+        _check_finite(self)
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise _invalid("dtype", f"must be one of {DTYPES}", self.dtype)
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
-            raise ValueError(
-                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
-            )
+            raise _invalid("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+            raise _invalid(
+                "gpu_memory_utilization", "must be in (0, 1]", self.gpu_memory_utilization
+            )
         if self.swap_space_gb < 0:
-            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+            raise _invalid("swap_space_gb", "must be >= 0 (GiB)", self.swap_space_gb)
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise ValueError("kv_cache_memory_gb must be positive")
+            raise _invalid("kv_cache_memory_gb", "must be positive (GiB)", self.kv_cache_memory_gb)
         if self.generation_config not in GENERATION_CONFIGS:
-            raise ValueError(
-                f"generation_config must be one of {GENERATION_CONFIGS}, "
-                f"got {self.generation_config!r}"
+            raise _invalid(
+                "generation_config", f"must be one of {GENERATION_CONFIGS}", self.generation_config
             )
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
-            raise ValueError("num_kv_pages must be at least 2 (page 0 is the null page)")
+            raise _invalid(
+                "num_kv_pages", "must be at least 2 (page 0 is the null page)", self.num_kv_pages
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("max_model_len must be at least 2")
+            raise _invalid("max_model_len", "must be at least 2", self.max_model_len)
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -219,7 +242,19 @@ def _coerce_enums(config: Any) -> None:
                 object.__setattr__(config, item.name, kind(value))
             except ValueError:
                 choices = [member.value for member in kind]
-                raise ValueError(f"{item.name} must be one of {choices}, got {value!r}") from None
+                raise _invalid(item.name, f"must be one of {choices}", value) from None
+
+
+def _check_finite(config: Any) -> None:
+    """`nan` and `inf` mean nothing as a setting (and `int(inf)` would fail far from here)."""
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _invalid(item.name, "must be a finite number", value)
+
+
+def _invalid(name: str, problem: str, value: Any) -> ValueError:
+    return ValueError(f"{option_name(name)} {problem}, got {value!r}")
 
 
 def config_fields(config_class: type) -> list[Any]:

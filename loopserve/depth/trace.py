@@ -8,6 +8,7 @@ order or the scheduling mode, and the serial reference draws the same one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from loopserve.sampling_params import ResolvedParams
@@ -15,6 +16,10 @@ from loopserve.sampling_params import ResolvedParams
 # The standard distribution "d2.6" of docs/benchmarks.md: P(depth = 1, 2, 3, 4).
 D2_6: tuple[float, ...] = (0.10, 0.40, 0.30, 0.20)
 _MASK64 = (1 << 64) - 1
+# How errors name the setting (the engine field and its command-line flag).
+_NAME = "trace_distribution (--trace-distribution)"
+# How far from 1 probabilities given as such may sum (`check_distribution(normalized=True)`).
+SUM_TOLERANCE = 1e-6
 
 
 def _splitmix64(value: int) -> int:
@@ -36,21 +41,29 @@ def traced_depth(seed: int, decode_index: int, distribution: Sequence[float]) ->
     return len(distribution)
 
 
-def check_distribution(distribution: Sequence[float]) -> None:
-    """A distribution's own validity (its length is checked against the model in `fit_model`)."""
+def check_distribution(distribution: Sequence[float], *, normalized: bool = False) -> None:
+    """A distribution's own validity (its length is checked against the model in `fit_model`):
+    finite, non-negative entries, not all zero; `normalized`: summing to 1 (the command line,
+    where `0.5,0.5,0.5` is a typo, not weights)."""
+    shown = ",".join(f"{p:g}" for p in distribution)
     if not distribution:
-        raise ValueError("a trace distribution needs at least one probability (one per depth)")
-    if any(p < 0 for p in distribution) or sum(distribution) <= 0:
-        raise ValueError("trace distribution probabilities must be >= 0 and not all zero")
+        raise ValueError(f"{_NAME} needs at least one probability (one per depth)")
+    if not all(math.isfinite(p) and p >= 0 for p in distribution) or sum(distribution) <= 0:
+        raise ValueError(f"{_NAME} entries must be finite, >= 0 and not all zero, got {shown}")
+    total = math.fsum(distribution)
+    if normalized and abs(total - 1.0) > SUM_TOLERANCE:
+        raise ValueError(
+            f"{_NAME} gives P(depth = 1, 2, ...), which must sum to 1, but {shown} sums to "
+            f"{total:g}"
+        )
 
 
 def fit_model(distribution: Sequence[float], num_loops: int) -> None:
     """A distribution used by a `trace` engine may not give depths the model does not have."""
     if len(distribution) > num_loops:
         raise ValueError(
-            f"the trace distribution gives {len(distribution)} depths but the model runs at most "
-            f"{num_loops} loops; pass one probability per depth 1..{num_loops} "
-            "(--trace-distribution)"
+            f"{_NAME} gives {len(distribution)} depths but the model runs at most {num_loops} "
+            f"loops; pass at most one probability per depth 1..{num_loops}"
         )
 
 

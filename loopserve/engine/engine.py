@@ -172,6 +172,12 @@ class Engine:
             raise ValueError(f"max_loops {max_loops} exceeds the model's loop count ({loops})")
         if params.min_loops > max_loops:
             raise ValueError(f"min_loops {params.min_loops} exceeds max_loops {max_loops}")
+        beyond = [depth for depth in params.trace_depths or () if not 1 <= depth <= loops]
+        if beyond:
+            raise ValueError(
+                f"trace_depths must each be in 1..{loops} (the model's loop count), got "
+                f"{beyond[:5]}"
+            )
         threshold = params.exit_threshold
         if threshold is None:
             threshold = self.model_config.early_exit_threshold

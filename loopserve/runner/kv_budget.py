@@ -7,8 +7,11 @@ is free), and `max_model_len` against that cache: by default the longest request
 worst-case reservation (every plane of its layout) fits, never above the model's
 `max_position_embeddings`, logged in one line; an explicit `max_model_len` that cannot fit is an
 error saying what to change. With an exact `num_kv_pages` (tests, experiments) the model's length
-stands and a request that cannot fit is refused when it is added. Must not: allocate the cache
-(the runner's setup does).
+stands and a request that cannot fit is refused when it is added. Before anything is allocated,
+sizes the memory cannot hold are refused, naming the flag: an explicit `num_kv_pages` or
+`kv_cache_memory_gb`, `max_num_seqs` request slots, or pinned `swap_space_gb`, larger than the
+memory free (the GPU's on CUDA, the host's otherwise). Must not: allocate the cache (the runner's
+setup does).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from pathlib import Path
 import torch
 
 from loopserve.attention.torch_backend import causal_attention
-from loopserve.config import EngineConfig
+from loopserve.config import EngineConfig, KVAllocation, SchedulerConfig, option_name
+from loopserve.kv.pages import pages_for
 from loopserve.models.ouro import LoopContext, OuroForCausalLM
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.sample.sampler import SamplingBatch, sample
@@ -64,11 +68,18 @@ def num_kv_pages(
 ) -> int:
     """Pages of the KV cache, the null page included."""
     if config.num_kv_pages is not None:
+        _check_explicit_pages(config.num_kv_pages, bytes_per_page, device)
         return config.num_kv_pages
     if device.type == "cuda":
         budget = gpu_kv_budget(config, model, device)
     elif config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * 2**30)
+        if budget > _available_memory():
+            raise ValueError(
+                f"{option_name('kv_cache_memory_gb')} {config.kv_cache_memory_gb:g} GiB is more "
+                f"than the {_available_memory() / 2**30:.1f} GiB of memory available; lower it, or "
+                "leave it unset (the default takes a quarter of what is available, at most 4 GiB)"
+            )
     else:
         budget = min(int(_available_memory() * _CPU_MEMORY_SHARE), _CPU_DEFAULT_CAP_BYTES)
         budget = min(budget, _useful_pages(config, model.config) * bytes_per_page)
@@ -77,10 +88,77 @@ def num_kv_pages(
     if pages < 2:
         raise ValueError(
             f"no memory is left for the KV cache (budget {budget / 2**30:.2f} GiB, "
-            f"{bytes_per_page / 2**20:.2f} MiB per page); raise gpu_memory_utilization or "
-            "kv_cache_memory_gb, or use a smaller model"
+            f"{bytes_per_page / 2**20:.2f} MiB per page); {_raise_memory_hint(config)}, or use "
+            "a smaller model"
         )
+    if config.scheduler.max_num_seqs > pages - 1:
+        logger.warning(
+            "max_num_seqs %d: the KV cache has only %d pages, so at most that many requests "
+            "can run at once; lower --max-num-seqs, or %s",
+            config.scheduler.max_num_seqs, pages - 1, _raise_memory_hint(config),
+        )  # fmt: skip
     return int(pages)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes `device` can still give: the GPU's free memory on CUDA, else the host's."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return _available_memory()
+
+
+def _free_text(device: torch.device) -> str:
+    where = f"free on {device}" if device.type == "cuda" else "of memory available"
+    return f"{free_memory(device) / 2**30:.1f} GiB {where}"
+
+
+def _check_explicit_pages(pages: int, bytes_per_page: int, device: torch.device) -> None:
+    if pages * bytes_per_page > free_memory(device):
+        raise ValueError(
+            f"{option_name('num_kv_pages')} {pages} needs {pages * bytes_per_page / 2**30:.1f} "
+            f"GiB of KV cache ({bytes_per_page / 2**20:.3f} MiB per page), more than the "
+            f"{_free_text(device)}; lower --num-kv-pages (at most "
+            f"{free_memory(device) // bytes_per_page}), or leave it unset to size the cache from "
+            "memory"
+        )
+
+
+def slot_bytes(config: EngineConfig, model_config: OuroConfig, element_size: int) -> int:
+    """Rough bytes of one request slot besides its KV pages: its block-table rows (int32, every
+    plane, the longest request), the decode step's per-slot state (a hidden vector, a few dozen
+    scalars, stop ids, trace depths) and its row's float32 logits and sampling buffers."""
+    length = config.max_model_len or model_config.max_position_embeddings
+    table = 4 * model_config.num_loops * pages_for(length, config.scheduler.block_size)
+    state = model_config.hidden_size * element_size + 1024 + length
+    return table + state + 3 * 4 * model_config.vocab_size
+
+
+def check_slot_state(
+    config: EngineConfig, model_config: OuroConfig, element_size: int, device: torch.device
+) -> None:
+    """`max_num_seqs` request slots must fit in the memory free, before anything is allocated
+    for them (or profiled with them)."""
+    slots, default = config.scheduler.max_num_seqs, SchedulerConfig().max_num_seqs
+    needed = slots * slot_bytes(config, model_config, element_size)
+    if needed > free_memory(device):
+        raise ValueError(
+            f"{option_name('max_num_seqs')} {slots}: the state of that many request slots (block "
+            f"tables, decode state, logits rows) needs {needed / 2**30:.1f} GiB, more than the "
+            f"{_free_text(device)}; lower --max-num-seqs (default: {default})"
+        )
+
+
+def check_swap_space(config: EngineConfig, device: torch.device) -> None:
+    """The pinned host memory of `swap_space_gb` (CUDA, incremental allocation) must exist."""
+    if device.type != "cuda" or config.scheduler.kv_allocation is not KVAllocation.INCREMENTAL:
+        return
+    available = _available_memory()
+    if config.swap_space_gb * 2**30 > available:
+        raise ValueError(
+            f"{option_name('swap_space_gb')} {config.swap_space_gb:g} GiB is more than the "
+            f"{available / 2**30:.1f} GiB of host memory available; lower --swap-space-gb "
+            "(0: none set aside; preempted requests are then pinned on the spot)"
+        )
 
 
 def gpu_kv_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.device) -> int:

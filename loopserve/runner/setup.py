@@ -2,7 +2,8 @@
 
 Owns: resolving device and dtype (`auto`: bfloat16 on CUDA; on CPU the checkpoint's bfloat16 where
 the CPU computes bfloat16 natively, else float32), loading weights, sizing the KV cache and
-`max_model_len` (`kv_budget`), choosing the attention backend, and composing the `ModelRunner`.
+`max_model_len` (`kv_budget`, which also refuses sizes the memory free cannot hold, before
+anything is allocated), choosing the attention backend, and composing the `ModelRunner`.
 Must not: write anything back into `EngineConfig`; what it resolves is reported as the runner's
 `RunnerInfo`.
 """
@@ -31,7 +32,12 @@ from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep
-from loopserve.runner.kv_budget import num_kv_pages, resolve_max_model_len
+from loopserve.runner.kv_budget import (
+    check_slot_state,
+    check_swap_space,
+    num_kv_pages,
+    resolve_max_model_len,
+)
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.prefill import PromptRunner
 from loopserve.runner.prompt_graphs import GraphedPromptLoop
@@ -111,6 +117,7 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
     is given (already on that device; a test's fake model, say)."""
     device = resolve_device(config.device)
     config = replace(config, device=str(device))  # what the KV budget and its messages speak of
+    check_swap_space(config, device)
     model_dir = None
     if model is None:
         model_dir = resolve_model_dir(config.model)
@@ -124,6 +131,7 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
         model_config.head_dim,
         model.dtype,
     )
+    check_slot_state(config, model_config, model.dtype.itemsize, device)
     num_pages = num_kv_pages(config, model, bytes_per_page, device)
     max_model_len = resolve_max_model_len(config, model_config, num_pages)
     spec = _attention_spec(config, model, device)

@@ -6,6 +6,9 @@ config field gets its flag here without any change to this file.
 
 Field types map to flags: bool -> `--name/--no-name`; an enum -> its values as choices; `int`,
 `float`, `str` (optionally `| None`) -> that type; `tuple[float, ...]` -> a comma-separated list.
+Values are checked by the configs themselves (their errors name the flag), apart from one rule of
+the command line only: `--trace-distribution` gives probabilities, which must sum to 1 (Python
+callers may pass weights).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import typing
 from dataclasses import Field
 from typing import Any
 
-from loopserve.config import EngineConfig, SchedulerConfig, config_fields
+from loopserve.config import EngineConfig, SchedulerConfig, config_fields, flag_of
+from loopserve.depth.trace import check_distribution
 
 _CONFIGS = (EngineConfig, SchedulerConfig)
 
@@ -34,16 +38,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """`EngineConfig.from_options` keyword arguments from parsed flags, all but `model`."""
-    return {
+    options = {
         item.name: getattr(args, item.name)
         for config_class in _CONFIGS
         for item in config_fields(config_class)
         if item.name != "model" and hasattr(args, item.name)
     }
+    if "trace_distribution" in options:
+        check_distribution(options["trace_distribution"], normalized=True)
+    return options
 
 
 def _add_flag(group: argparse._ArgumentGroup, item: Field[Any], annotation: Any) -> None:
-    flag = item.metadata.get("flag") or "--" + item.name.replace("_", "-")
+    flag = flag_of(item)
     help_text = item.metadata["help"]
     kind = _base_type(annotation)
     options: dict[str, Any] = {"dest": item.name, "default": item.default}

@@ -1,14 +1,18 @@
 """`loopserve serve`: the OpenAI-compatible HTTP server (needs the `serve` extra); with
 `--replicas N`, N engine replicas behind one endpoint on Ray Serve (needs the `ray` extra).
 
-Binds `--host`/`--port` before loading the model, so a taken port is reported at once, naming the
-flag. Must not: restate the server's defaults (they come from `ServerConfig`).
+Binds `--host`/`--port` before loading the model, so a bad address or a taken port is reported at
+once, naming the flag at fault; once the model has loaded and the server accepts connections,
+prints `loopserve serve: listening on http://HOST:PORT` (the port really bound, so `--port 0` can be
+found) on stdout. Must not: restate the server's defaults (they come from `ServerConfig`).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 from pathlib import Path
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
@@ -46,7 +50,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     defaults = ServerConfig()
     group = parser.add_argument_group("server")
     group.add_argument("--host", default=defaults.host, help="address to bind (default loopback)")
-    group.add_argument("--port", type=int, default=defaults.port, help="(default: %(default)s)")
+    group.add_argument(
+        "--port",
+        type=int,
+        default=defaults.port,
+        help="0: any free port; once the model has loaded and the server accepts connections, "
+        "'loopserve serve: listening on http://HOST:PORT' is printed on stdout (default: "
+        "%(default)s)",
+    )
     group.add_argument(
         "--served-model-name",
         nargs="+",
@@ -135,12 +146,33 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = bind_socket(config.host, config.port)
     except OSError as error:
-        raise ValueError(
-            f"--port {config.port}: cannot listen on {config.host}:{config.port} "
-            f"({error.strerror or error}); choose another --port (or --host)"
-        ) from None
-    run_server(engine_config, config, sock)
+        raise ValueError(_bind_error(config.host, config.port, error)) from None
+    run_server(engine_config, config, sock, _announce)
     return 0
+
+
+def _bind_error(host: str, port: int, error: OSError) -> str:
+    """One line blaming the flag at fault: --host when it is no address of this machine, else
+    --port (taken, or privileged)."""
+    reason = error.strerror or str(error)
+    if isinstance(error, socket.gaierror):
+        return (
+            f"--host {host!r} is not a valid address or host name ({reason}); give an IP address "
+            "of this machine (127.0.0.1: loopback only, 0.0.0.0: every interface) or its name"
+        )
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"--host {host}: no network interface of this machine has that address ({reason}); "
+            "give one of its addresses (127.0.0.1: loopback only, 0.0.0.0: every interface)"
+        )
+    return (
+        f"--port {port}: cannot listen on {host}:{port} ({reason}); choose another --port "
+        "(0: any free one)"
+    )
+
+
+def _announce(url: str) -> None:
+    print(f"loopserve serve: listening on {url}", flush=True)
 
 
 def _run_replicas(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """`ServerConfig`: how the HTTP server is exposed and limited (frozen intent, as the user gave it).
 
-Owns: the server's own settings and their validation. Must not: hold engine settings (those are
-`EngineConfig`) or anything resolved at run time.
+Owns: the server's own settings and their validation, whose errors name both the field and the
+`loopserve serve` flag that sets it (`shutdown_timeout_s (--shutdown-timeout)`). Must not: hold
+engine settings (those are `EngineConfig`) or anything resolved at run time.
 """
 
 from __future__ import annotations
@@ -50,23 +51,24 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not name for name in self.served_model_names):
-            raise ValueError("served_model_names must be non-empty names")
+            raise _invalid("served_model_names", "must be non-empty names", self.served_model_names)
         if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+            raise _invalid("port", "must be in [0, 65535] (0: any free port)", self.port)
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+            raise ValueError(
+                f"{option_name('api_key')} must not be empty (leave it unset for no authentication)"
+            )
         if self.max_request_bytes < 1024:
-            raise ValueError("max_request_bytes must be at least 1024")
+            raise _invalid("max_request_bytes", "must be at least 1024", self.max_request_bytes)
         for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise _invalid(name, "must be at least 1", getattr(self, name))
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            limit = MAX_LOGPROBS
-            raise ValueError(f"max_logprobs must be in [0, {limit}], got {self.max_logprobs}")
+            raise _invalid("max_logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.max_logprobs)
         if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
-            raise ValueError(f"max_prompt_bytes must be at least 1, got {self.max_prompt_bytes}")
+            raise _invalid("max_prompt_bytes", "must be at least 1", self.max_prompt_bytes)
         if self.shutdown_timeout_s < 0:
-            raise ValueError("shutdown_timeout_s must be >= 0")
+            raise _invalid("shutdown_timeout_s", "must be >= 0 (seconds)", self.shutdown_timeout_s)
 
     @property
     def default_model_name(self) -> str:
@@ -83,3 +85,20 @@ _AT_LEAST_ONE = (
     "max_stop_strings",
     "max_stop_bytes",
 )
+
+# The `loopserve serve` flags whose names are not the field's (`--max-json-depth` sets
+# max_json_depth; these differ).
+_FLAGS = {
+    "served_model_names": "--served-model-name",
+    "shutdown_timeout_s": "--shutdown-timeout",
+    "log_level": "--uvicorn-log-level",
+}
+
+
+def option_name(name: str) -> str:
+    """How errors name a setting: the field and its flag (`port (--port)`)."""
+    return f"{name} ({_FLAGS.get(name, '--' + name.replace('_', '-'))})"
+
+
+def _invalid(name: str, problem: str, value: object) -> ValueError:
+    return ValueError(f"{option_name(name)} {problem}, got {value!r}")

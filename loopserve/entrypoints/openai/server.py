@@ -1,7 +1,9 @@
 """Running the app under uvicorn, with graceful shutdown.
 
 Owns: binding the address (before the model loads, so a taken port fails at once), building the
-engine and the app, and the uvicorn settings. On SIGTERM or Ctrl-C uvicorn
+engine and the app, the uvicorn settings, and telling the caller the URL once uvicorn listens
+(`on_listening`: after the model has loaded, so the URL answers at once; with port 0 it carries the
+port the system chose). On SIGTERM or Ctrl-C uvicorn
 stops accepting connections and waits for open ones; the app lets in-flight requests finish for
 `shutdown_timeout_s`, then aborts the rest (their clients get `finish_reason: "abort"`); uvicorn
 cancels whatever is still open a few seconds later; the app's lifespan then stops the engine
@@ -11,6 +13,7 @@ thread. Must not: parse command lines (the CLI does).
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loopserve.config import EngineConfig
@@ -42,7 +45,9 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port), not listening yet: uvicorn listens once the app is ready,
-    so clients are refused until then. Raises OSError when the address is taken."""
+    so clients are refused until then. Raises OSError when the address cannot be bound:
+    `socket.gaierror` when `host` is not an address or name, errno EADDRNOTAVAIL when it is none
+    of this machine's, EADDRINUSE when the port is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
     # without it every response waits for the client's delayed ACK (~40 ms).
@@ -56,9 +61,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket) -> None:
-    """Load the model, then serve on `sock` (from `bind_socket`) until SIGTERM or Ctrl-C."""
+def socket_url(sock: socket.socket) -> str:
+    """`http://HOST:PORT` of a bound socket, with the port it really got (port 0 picks one)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+
+
+def run_server(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    sock: socket.socket,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
+    """Load the model, then serve on `sock` (from `bind_socket`) until SIGTERM or Ctrl-C;
+    `on_listening(url)` runs once uvicorn accepts connections."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)  # exits the process if the app failed to start
+            if on_listening is not None:
+                on_listening(socket_url(sock))
+
     app = build_app(Engine(engine_config), config)
-    uvicorn.Server(uvicorn_config(app, config)).run(sockets=[sock])
+    Server(uvicorn_config(app, config)).run(sockets=[sock])
