@@ -41,6 +41,9 @@ class SamplingParams:
         ValueError: a field is out of range, or a float is NaN or infinite.
     """
 
+    n: int = _setting(
+        1, "sequences to generate per prompt (sequence i of a seeded request uses seed + i)"
+    )
     max_tokens: int = _setting(16, "maximum number of generated tokens")
     temperature: float = _setting(
         1.0, "0 is greedy; otherwise logits are divided by it before sampling"
@@ -104,6 +107,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         problems = []
+        if self.n < 1:
+            problems.append(f"n must be at least 1, got {self.n}")
         if self.max_tokens < 1:
             problems.append(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

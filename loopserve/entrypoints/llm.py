@@ -1,6 +1,7 @@
 """`LLM`: the offline Python API (a thin wrapper around `Engine`, not a subclass of it), in vLLM's
 shape: `generate` and `chat` return one `RequestOutput` per prompt, whose `.outputs` hold its `n`
-sequences (`CompletionOutput`: `text`, `token_ids`, `exit_depths`, `logprobs`, `finish_reason`).
+sequences (`CompletionOutput`: `text`, `token_ids`, `exit_depths`, `logprobs`, `finish_reason`);
+`n` is `SamplingParams.n` or the `n=` keyword (which must agree when both are given).
 
 Owns: turning a batch of prompts (or conversations, rendered with the chat template) into ordered
 outputs, `n` sequences per prompt as `n` engine requests (seeds `seed + i`, as the server does),
@@ -53,7 +54,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        n: int = 1,
+        n: int | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
@@ -62,10 +63,13 @@ class LLM:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or one per prompt (default:
                 `get_default_sampling_params()`).
-            n: sequences per prompt; sequence i of a seeded request uses seed + i.
+            n: sequences per prompt (default: each params' `n`); sequence i of a seeded request
+                uses seed + i.
             use_tqdm: show a progress bar; None shows one for more than 8 prompts.
         Returns:
             One finished RequestOutput per prompt, with `n` sequences in `.outputs`.
+        Raises:
+            ValueError: bad input, or `n` differs from a params' `n` (other than 1).
         """
         batch = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(batch))
@@ -76,7 +80,7 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        n: int = 1,
+        n: int | None = None,
         use_tqdm: bool | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -87,7 +91,7 @@ class LLM:
         Args:
             messages: one conversation (a list of messages) or a list of conversations.
             sampling_params: as in `generate`.
-            n: sequences per conversation.
+            n: sequences per conversation, as in `generate`.
             use_tqdm: as in `generate`.
             chat_template: template text overriding the checkpoint's.
             chat_template_kwargs: extra template variables, e.g. {"enable_thinking": True}.
@@ -95,7 +99,8 @@ class LLM:
         Returns:
             One RequestOutput per conversation; its `prompt` is the rendered text.
         Raises:
-            ValueError: no chat template, or the template refused a conversation.
+            ValueError: no chat template, the template refused a conversation, or `n` differs
+                from a params' `n`.
         """
         from loopserve.entrypoints.chat_prompts import render_conversations
 
@@ -125,15 +130,18 @@ class LLM:
         return params
 
     def _generate(
-        self, batch: list[Prompt], params: list[SamplingParams], n: int, use_tqdm: bool | None
+        self,
+        batch: list[Prompt],
+        params: list[SamplingParams],
+        n: int | None,
+        use_tqdm: bool | None,
     ) -> list[RequestOutput]:
-        if n < 1:
-            raise ValueError(f"n must be at least 1, got {n}")
+        counts = [_sequence_count(request_params, n) for request_params in params]
         groups: list[list[str]] = []
         try:
-            for prompt, request_params in zip(batch, params, strict=True):
+            for prompt, request_params, count in zip(batch, params, counts, strict=True):
                 groups.append([])
-                for index in range(n):
+                for index in range(count):
                     sequence_params = _sequence_params(request_params, index)
                     groups[-1].append(self.engine.add_request(prompt, sequence_params))
         except ValueError as error:
@@ -178,11 +186,28 @@ class LLM:
         return finished
 
 
+def _sequence_count(params: SamplingParams, n: int | None) -> int:
+    """Sequences for a prompt: the `n=` keyword if given, else `params.n`; both given must agree
+    (a params' default `n=1` gives way to the keyword)."""
+    if n is None:
+        return params.n
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if params.n not in (1, n):
+        raise ValueError(
+            f"n={n} was given to generate/chat but SamplingParams.n is {params.n}; give one of them"
+        )
+    return n
+
+
 def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index` of a request: seed + index when the request is seeded."""
-    if index == 0 or params.seed is None:
+    """Sequence `index` of a request, one engine request (n=1): seed + index when seeded."""
+    seed = params.seed
+    if index and seed is not None:
+        seed = (seed + index) % _MAX_SEED
+    if params.n == 1 and seed == params.seed:
         return params
-    return replace(params, seed=(params.seed + index) % _MAX_SEED)
+    return replace(params, n=1, seed=seed)
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:
