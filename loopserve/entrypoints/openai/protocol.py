@@ -5,7 +5,9 @@ vLLM and Ouro extensions, rejecting OpenAI fields this server does not implement
 names the first bad field. Types are strict: a bool is not a number, an integer field takes JSON
 integers only, a string field strings only. Validation stops at the first bad item of a list, and
 prompts are checked without trying each form item by item, so a long bad list costs no more than a
-good one. Must not: know about the engine (serving code turns these into `SamplingParams`).
+good one. A chat message has a known role (system, user, assistant, tool, developer) and content,
+which only an assistant message with tool_calls may leave out. Must not: know about the engine
+(serving code turns these into `SamplingParams`).
 
 Extensions beyond OpenAI: `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `return_token_ids`, `chat_template_kwargs`, `priority` (as in vLLM), and
@@ -24,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
@@ -149,10 +152,31 @@ class TextPart(_Model):
     text: str
 
 
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+
+
 class ChatMessage(_Model):
-    role: str
-    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
+    """One message: `content` is required, except in an assistant message with `tool_calls`."""
+
+    role: ChatRole
+    # Accepted so that an assistant turn that called tools may leave `content` out; not rendered.
+    tool_calls: Annotated[list[dict[str, Any]], Field(fail_fast=True)] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = Field(
+        default=None, validate_default=True
+    )
     name: str | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_is_required(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is not None or "role" not in info.data:  # a bad role is reported instead
+            return content
+        if info.data["role"] == "assistant" and info.data.get("tool_calls"):
+            return content
+        raise ValueError(
+            "content is required (a string or a list of text parts), except in an assistant "
+            "message with tool_calls"
+        )
 
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines (as in vLLM)."""
