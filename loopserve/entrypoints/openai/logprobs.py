@@ -2,7 +2,8 @@
 
 Owns: token strings for log-probs (each token decoded on its own, O(1) per token; without a
 tokenizer `token_id:N` as in vLLM), the completions format (`tokens`, `token_logprobs`,
-`top_logprobs` dicts that include the sampled token, `text_offset`) and the chat format
+`top_logprobs` dicts that include the sampled token, `text_offset` into the choice's text: all
+equal without a tokenizer, whose text is empty) and the chat format
 (`content` entries with `bytes` and `top_logprobs`). Must not: compute log-probs (the engine
 does) or emit -inf, which JSON cannot carry (it becomes -9999.0, as in vLLM).
 """
@@ -49,7 +50,9 @@ class LogprobFormatter:
             result.token_logprobs.append(_finite(entry.logprob))
             result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
-            text_offset += len(token)
+            # Offsets index the choice's text; without a tokenizer that text is empty, so the
+            # `token_id:N` strings take no room in it.
+            text_offset += len(token) if self._tokenizer is not None else 0
         return result, text_offset
 
     def chat(self, entries: Sequence[TokenLogprobs]) -> ChatLogprobs:
