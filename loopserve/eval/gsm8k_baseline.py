@@ -1,9 +1,9 @@
 """Comparing a GSM8K run with a stored baseline run.
 
 Owns: the regression rule (fail when accuracy drops by more than `max_drop`, absolute), the
-refusal to compare runs on different data, and listing every protocol difference so that a
-change in accuracy can be traced to a change in model, prompt, decoding or versions. Must not:
-run anything.
+refusal to compare runs on different data, and listing every protocol difference (values compared
+as JSON stores them) so that a change in accuracy can be traced to a change in model, prompt,
+decoding or versions. Must not: run anything.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ def load_report(path: Path) -> dict[str, Any]:
     return report
 
 
+def _as_stored(value: Any) -> Any:
+    """`value` as it reads back from a report file (tuples become lists, keys strings)."""
+    return json.loads(json.dumps(value))
+
+
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(value, dict):
         return {prefix: value}
@@ -57,7 +62,9 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def protocol_differences(current: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
-    now, before = _flatten(current), _flatten(baseline)
+    """Every field that differs, both sides as JSON stores them (a tuple of this run equals the
+    baseline's list)."""
+    now, before = _flatten(_as_stored(current)), _flatten(_as_stored(baseline))
     return [
         f"{key}: {before.get(key)!r} -> {now.get(key)!r}"
         for key in sorted(now.keys() | before.keys())
