@@ -1,7 +1,10 @@
 """Plots of a perplexity curve: quality against mean depth, and the exit-depth histograms.
 
-Owns: drawing `CurvePoint`s to an image file. Must not: compute any figure it draws, or be
-imported by anything that runs without `--plot` (matplotlib is an optional dependency).
+Owns: drawing `CurvePoint`s to an image file (each exit threshold its own coloured marker, named in
+the legend, so close thresholds such as 0.9 and 0.95 never write over each other), and the check
+that matplotlib imports, which `--plot` runs before any evaluation. Must not: compute any figure it
+draws, or be imported by anything that runs without `--plot` (matplotlib is an optional
+dependency).
 """
 
 from __future__ import annotations
@@ -12,9 +15,8 @@ from typing import Any
 from loopserve.eval.perplexity import CurvePoint
 
 
-def plot_curve(points: list[CurvePoint], path: Path, title: str) -> Path:
-    """Left: perplexity vs mean exit depth (fixed depths joined, thresholds annotated).
-    Right: for each exit threshold, the fraction of tokens that exited after each loop."""
+def require_matplotlib() -> Any:
+    """`matplotlib.pyplot` (non-interactive backend); a one-line ValueError when it is missing."""
     try:
         import matplotlib
 
@@ -22,6 +24,24 @@ def plot_curve(points: list[CurvePoint], path: Path, title: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'loopserve[plot]'") from None
+    return plt
+
+
+def plot_curve(points: list[CurvePoint], path: Path, title: str) -> Path:
+    """Draw `draw_curve`'s figure to `path` (.png, .svg, .pdf)."""
+    plt = require_matplotlib()
+    figure = draw_curve(points, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def draw_curve(points: list[CurvePoint], title: str) -> Any:
+    """Left: perplexity vs mean exit depth (fixed depths joined; each exit threshold a marker of
+    its own colour, named in the legend). Right: for each exit threshold, the fraction of tokens
+    that exited after each loop. Returns the matplotlib figure."""
+    plt = require_matplotlib()
     fixed = [point for point in points if point.exit_threshold >= 1.0]
     gated = [point for point in points if point.exit_threshold < 1.0]
     figure, (quality, histogram) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -29,27 +49,21 @@ def plot_curve(points: list[CurvePoint], path: Path, title: str) -> Path:
         quality.plot(
             [p.mean_depth for p in fixed], [p.perplexity for p in fixed], "o-", label="fixed depth"
         )
-    if gated:
+    colours = plt.get_cmap("viridis")
+    for index, point in enumerate(sorted(gated, key=lambda p: -p.exit_threshold)):
         quality.plot(
-            [p.mean_depth for p in gated], [p.perplexity for p in gated], "s", label="exit gate"
+            [point.mean_depth],
+            [point.perplexity],
+            "s",
+            color=colours(0.85 * index / max(1, len(gated) - 1)),  # no pale yellow
+            label=f"exit gate {point.exit_threshold:g}",
         )
-        for point in gated:
-            quality.annotate(
-                f"{point.exit_threshold:g}",
-                (point.mean_depth, point.perplexity),
-                fontsize=8,
-                xytext=(4, 4),
-                textcoords="offset points",
-            )
     quality.set(xlabel="mean exit depth (loops)", ylabel="held-out perplexity", title=title)
-    quality.legend()
+    quality.legend(fontsize=8)
     quality.grid(alpha=0.3)
     _draw_histograms(histogram, gated or fixed[-1:])
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return figure
 
 
 def _draw_histograms(axes: Any, points: list[CurvePoint]) -> None:

@@ -1,7 +1,8 @@
 """`loopserve eval`: quality against depth (`perplexity`) and GSM8K accuracy (`gsm8k`).
 
 Owns: the flags of both evaluations, loading what they need, printing their tables and writing
-their JSON reports (and the plot). Must not: contain scoring logic (see `loopserve.eval`).
+their JSON reports (and the plot, whose matplotlib is checked before any work). Must not: contain
+scoring logic (see `loopserve.eval`).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_plot(args: argparse.Namespace) -> int:
     from loopserve.eval.perplexity import CurvePoint, markdown_table
-    from loopserve.eval.plot import plot_curve
+    from loopserve.eval.plot import plot_curve, require_matplotlib
 
+    require_matplotlib()
     if not args.curve.is_file():
         raise FileNotFoundError(f"{args.curve}: no such file")
     try:
@@ -140,6 +142,10 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     from loopserve.runner.setup import resolve_device
     from loopserve.tokenizer import Tokenizer
 
+    if args.plot is not None:
+        from loopserve.eval.plot import require_matplotlib
+
+        require_matplotlib()  # fail now, not after the whole evaluation
     thresholds = _floats(args.thresholds)
     model_dir = resolve_model_dir(args.model)
     tokenizer = Tokenizer.from_directory(model_dir)
