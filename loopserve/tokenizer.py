@@ -5,7 +5,7 @@ is found as transformers finds it: `chat_template.jinja` beside the tokenizer (h
 transformers saves it) wins over `chat_template` in tokenizer_config.json (a string, or a list of
 {name, template} whose "default" entry is used). Must not: import torch, or render templates
 (`entrypoints/openai/chat_template.py` does). A checkpoint without tokenizer.json has no
-tokenizer; prompts must then be token ids.
+tokenizer (`has_tokenizer` tells without loading anything); prompts must then be token ids.
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ from pathlib import Path
 from typing import Any
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether a checkpoint directory has a tokenizer, known before anything loads (so a command
+    that needs one can say so before the weights load)."""
+    return (Path(directory) / TOKENIZER_FILE).is_file()
 
 
 class Tokenizer:
@@ -40,10 +47,10 @@ class Tokenizer:
         """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
         from tokenizers import Tokenizer as BackendTokenizer
 
-        directory = Path(directory)
-        path = directory / "tokenizer.json"
-        if not path.exists():
+        if not has_tokenizer(directory):
             return None
+        directory = Path(directory)
+        path = directory / TOKENIZER_FILE
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         template_path = directory / CHAT_TEMPLATE_FILE

@@ -1,9 +1,10 @@
 """Builds the device side of an engine: model, KV storage, attention backend, decode step.
 
 Owns: resolving device and dtype (`auto`: bfloat16 on CUDA; on CPU the checkpoint's bfloat16 where
-the CPU computes bfloat16 natively, else float32), loading weights, sizing the KV cache and
-`max_model_len` (`kv_budget`, which also refuses sizes the memory free cannot hold, before
-anything is allocated), choosing the attention backend, and composing the `ModelRunner`.
+the CPU computes bfloat16 natively, else float32), loading weights (after the checks config.json
+alone can answer: a max_model_len past the model's), sizing the KV cache and `max_model_len`
+(`kv_budget`, which also refuses sizes the memory free cannot hold, before anything is
+allocated), choosing the attention backend, and composing the `ModelRunner`.
 Must not: write anything back into `EngineConfig`; what it resolves is reported as the runner's
 `RunnerInfo`.
 """
@@ -96,6 +97,13 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> O
             f"{'installed' if use_triton else 'missing'}); leave batch_invariant off here"
         )
     model_config = OuroConfig.from_file(model_dir / "config.json")
+    limit = model_config.max_position_embeddings
+    # kv_budget says the same after the weights; config.json alone can say it before them.
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = auto_dtype(device, model_config.weights_dtype)

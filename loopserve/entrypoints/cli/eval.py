@@ -223,10 +223,13 @@ def _run_gsm8k(args: argparse.Namespace) -> int:
     from loopserve.eval.gsm8k_baseline import load_report
     from loopserve.eval.gsm8k_scoring import read_problems
     from loopserve.models.builtin import resolve_model_dir
+    from loopserve.tokenizer import has_tokenizer
 
     baseline = None if args.baseline is None else load_report(args.baseline)
     problems = read_problems(args.data, args.limit)
     model_dir = resolve_model_dir(args.model)
+    if not has_tokenizer(model_dir):  # before the weights load
+        raise ValueError(f"{model_dir} has no tokenizer.json; gsm8k needs one")
     decoding = Decoding(
         max_tokens=args.max_tokens,
         exit_threshold=args.exit_threshold,
