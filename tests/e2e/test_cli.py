@@ -37,6 +37,28 @@ def test_generate_with_the_builtin_model_prints_json(capsys: pytest.CaptureFixtu
     assert records[0]["text"]
 
 
+def test_generate_prints_every_sequence_of_n(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt-ids", "5,6", "--max-tokens", "3", "--n", "2", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [record["index"] for record in records] == [0, 1]
+
+
+def test_generate_without_a_tokenizer_wants_token_ids(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from loopserve.models.checkpoint_writer import write_random_checkpoint
+    from loopserve.models.ouro_config import OuroConfig
+
+    config = OuroConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    write_random_checkpoint(tmp_path, config)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # would fail to load: checked before
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "a"]) == 2
+    assert "has no tokenizer.json: give the prompts as token ids" in capsys.readouterr().err
+
+
 def test_generate_reports_bad_input_clearly(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

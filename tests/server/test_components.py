@@ -252,7 +252,9 @@ def test_request_validation_names_the_field() -> None:
     )
     assert request.messages[0].text() == "a"  # unknown fields are ignored, as in vLLM
     nulls = {"temperature": None, "n": None, "stop": None, "max_tokens": None, "stream": None}
-    request = parse_request(ChatCompletionRequest, {"messages": [{"role": "user"}], **nulls})
+    request = parse_request(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **nulls}
+    )
     assert (request.temperature, request.n, request.stop_strings, request.stream) == (
         None,  # unset: the checkpoint's default, else SamplingParams'
         1,

@@ -42,6 +42,8 @@ def _int_list(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from loopserve.entrypoints.llm import LLM
+    from loopserve.models.builtin import resolve_model_dir
+    from loopserve.tokenizer import has_tokenizer
 
     prompts: list[str | list[int]] = [*args.prompt]
     prompts += [_int_list(ids) for ids in args.prompt_ids]
@@ -50,14 +52,26 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("give at least one --prompt, --prompt-ids or --prompts-file")
     sampling_params(args, SamplingParams())  # bad flags fail before the model loads
+    directory = resolve_model_dir(args.model)
+    if (
+        directory.is_dir()
+        and any(isinstance(p, str) for p in prompts)
+        and not has_tokenizer(directory)
+    ):
+        raise ValueError(
+            f"{directory} has no tokenizer.json: give the prompts as token ids (--prompt-ids)"
+        )
     llm = LLM(args.model, **engine_options(args))
     # Flags not given take the checkpoint's generation_config.json defaults, as in the server.
     params = sampling_params(args, llm.get_default_sampling_params())
-    outputs = [request.outputs[0] for request in llm.generate(prompts, params)]
-    for prompt, output in zip(prompts, outputs, strict=True):
+    requests = llm.generate(prompts, params)
+    for prompt, output in (
+        (p, o) for p, r in zip(prompts, requests, strict=True) for o in r.outputs
+    ):
         if args.json:
             record: dict[str, object] = {
                 "prompt": prompt,
+                "index": output.index,  # which of the prompt's --n sequences
                 "text": output.text,
                 "token_ids": output.token_ids,
                 "exit_depths": output.exit_depths,
@@ -68,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(record))
         else:
             shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
-            print(f"--- prompt: {shown}")
+            sequence = f" (sequence {output.index})" if params.n > 1 else ""
+            print(f"--- prompt: {shown}{sequence}")
             print(output.text if llm.tokenizer is not None else output.token_ids)
             print(
                 f"--- {len(output.token_ids)} tokens, finish_reason={output.finish_reason}, "
