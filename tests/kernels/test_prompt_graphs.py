@@ -7,7 +7,10 @@ padding writes there) and the sampled first tokens must agree. The chunks start 
 chunks of their request (context in the cache), need different loop counts (later loops run a
 subset of the tokens) and pad to a bucket. On the CPU
 the padded passes run in triton's interpreter, uncaptured; with `-m gpu` they are captured and
-replayed.
+replayed. On a GPU the K/V are compared bit for bit; on the CPU, fp32 K/V within 1e-6, since some
+CPUs' fp32 matmul kernels (AVX-512 MKL among them, seen on 2026-12-02: 181 of 393,216 values off
+by at most 3e-8) block the rows by the row count, which padding changes; the sampled tokens and
+bf16 K/V must still be equal there.
 """
 
 from __future__ import annotations
@@ -94,11 +97,12 @@ def test_graphed_prompt_loops_equal_eager(
         expected = runners.eager.run(chunks)
         got = runners.graphed.run(chunks)
         assert got == expected, f"step {index}"
+        cpu_fp32 = device.type == "cpu" and dtype == torch.float32
         torch.testing.assert_close(
             _without_null_page(runners.graphed),
             _without_null_page(runners.eager),
             rtol=0,
-            atol=0,
+            atol=1e-6 if cpu_fp32 else 0,
             msg=lambda m, i=index: f"step {i}: {m}",
         )
     assert padded_passes == [36, 36, 36, 36, 17, 17, 8, 5]
