@@ -109,10 +109,8 @@ stop_server() {  # SIGTERM: the server drains, stops its engine(s) and the Ray c
   fi
   server_pid=""
 }
-healthy() {
-  "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
-    "http://127.0.0.1:$PORT/health" 2>/dev/null
-}
+# shellcheck source=scripts/lib/server.sh
+. "$(dirname "$0")/lib/server.sh"
 trap stop_server EXIT
 
 start_server() {  # phase flags...; returns 1 when it is not ready in time
@@ -123,16 +121,12 @@ start_server() {  # phase flags...; returns 1 when it is not ready in time
     --exit-mode trace --max-num-seqs "$MAX_SEQS" --max-concurrent-requests 4096 \
     --shutdown-timeout 5 "$@" >>"$LOG" 2>&1 &
   server_pid=$!
-  local waited=0
-  until healthy; do
-    if ! kill -0 "$server_pid" 2>/dev/null || [ "$waited" -ge "$READY_TIMEOUT_S" ]; then
-      say "$phase: server not ready after $waited s (see the log); phase skipped"
-      stop_server
-      return 1
-    fi
-    sleep 2
-    waited=$((waited + 2))
-  done
+  local waited
+  if ! waited=$(wait_healthy "$PORT" "$server_pid" "$READY_TIMEOUT_S"); then
+    say "$phase: server not ready after $waited s (see the log); phase skipped"
+    stop_server
+    return 1
+  fi
   say "$phase: ready after $waited s"
 }
 

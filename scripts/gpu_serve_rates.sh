@@ -72,10 +72,8 @@ stop_server() {
   fi
   server_pid=""
 }
-healthy() {
-  "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
-    "http://127.0.0.1:$PORT/health" 2>/dev/null
-}
+# shellcheck source=scripts/lib/server.sh
+. "$(dirname "$0")/lib/server.sh"
 trap stop_server EXIT
 
 say "loopserve serve --exit-mode trace"
@@ -83,15 +81,10 @@ say "loopserve serve --exit-mode trace"
   --exit-mode trace --max-num-seqs 256 --max-concurrent-requests 4096 --shutdown-timeout 5 \
   >>"$LOG" 2>&1 &
 server_pid=$!
-waited=0
-until healthy; do
-  if ! kill -0 "$server_pid" 2>/dev/null || [ "$waited" -ge "$READY_TIMEOUT_S" ]; then
-    say "server not ready after $waited s (see the log)"
-    exit 1
-  fi
-  sleep 2
-  waited=$((waited + 2))
-done
+if ! waited=$(wait_healthy "$PORT" "$server_pid" "$READY_TIMEOUT_S"); then
+  say "server not ready after $waited s (see the log)"
+  exit 1
+fi
 say "ready after $waited s"
 
 bench() {  # label seed input output prompts extra-body [flags...]
