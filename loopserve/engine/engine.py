@@ -115,6 +115,11 @@ class Engine:
                 request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError(
+                f"an engine request runs one sequence, got n={params.n}: add n requests (seed + i "
+                "for sequence i, as LLM.generate does) or use LLM.generate"
+            )
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self._prompt_ids(prompt)
         resolved = self.resolve(params)

@@ -52,3 +52,9 @@ def test_chat_honours_params_n() -> None:
     messages = [{"role": "user", "content": "hi"}]
     (output,) = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0.0, n=2))
     assert [sequence.index for sequence in output.outputs] == [0, 1]
+
+
+def test_an_engine_request_with_n_above_one_is_refused(llm: LLM) -> None:
+    """The engine runs one sequence a request; only LLM fans n out (so n is never dropped)."""
+    with pytest.raises(ValueError, match=r"an engine request runs one sequence, got n=2"):
+        llm.engine.add_request([5, 6], SamplingParams(max_tokens=2, n=2))
