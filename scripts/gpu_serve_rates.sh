@@ -5,7 +5,8 @@
 # For each workload (WORKLOADS, "input/output/prompts rates...") and each exit setting (fixed
 # depth: `min_loops` = all loops; d2.6: the server's `--exit-mode trace` default distribution)
 # it sends the prompts at each rate, untimed warm-up first, and records TTFT / TPOT / ITL
-# percentiles and the goodput at GOODPUT (vllm bench serve's `--goodput`). Then
+# percentiles and the goodput at GOODPUT (vllm bench serve's `--goodput`); CLOSED="C ..." adds
+# closed-loop runs (C in flight, 2 x C requests: `bench offline`'s protocol, to compare). Then
 # `python -m benchmarks.rate_table` turns the lines into the table docs/server.md shows (and,
 # where matplotlib is installed, the plot: `--plot FILE`, also runnable afterwards on the lines).
 #
@@ -29,6 +30,8 @@ PORT="${PORT:-8766}"
 DEADLINE_S="${DEADLINE_S:-500}"
 FIXED_LOOPS="${FIXED_LOOPS:-4}"  # Ouro-1.4B and ouro-tiny both run 4 loops
 GOODPUT="${GOODPUT:-ttft:250 tpot:25}"
+WARMUP_PROMPTS="${WARMUP_PROMPTS:-8}"  # the untimed wave before each exit setting's runs
+CLOSED="${CLOSED:-}"  # closed-loop concurrencies run after the rates (e.g. "128"; none by default)
 if [ "$DEVICE" = cpu ]; then
   MODEL="${MODEL:-ouro-tiny}"; WORKLOADS="${WORKLOADS:-64/8/12 2 8;32/32/6 1 4}"
   READY_TIMEOUT_S="${READY_TIMEOUT_S:-120}"; STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-60}"
@@ -110,13 +113,18 @@ for workload in "${workloads[@]}"; do
     if [ "$exits" = fixed ]; then extra="{\"min_loops\": $FIXED_LOOPS}"; else extra="{}"; fi
     # an untimed wave first: graphs, compiles and the first pages happen there
     timeout "$STEP_TIMEOUT_S" "$PYTHON" -m loopserve.entrypoints.cli bench serve \
-      --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" --num-prompts 8 \
-      --max-concurrency 8 --input-len "$input" --output-len 4 --seed 9999 \
+      --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" --num-prompts "$WARMUP_PROMPTS" \
+      --max-concurrency "$WARMUP_PROMPTS" --input-len "$input" --output-len 4 --seed 9999 \
       --extra-body "$extra" >>"$LOG" 2>&1 || true
     for rate in $rates; do
       say "$exits $input/$output at $rate requests/s ($prompts prompts)"
       bench "$exits $input/$output" $((seed += 1)) "$input" "$output" "$prompts" "$extra" \
         --request-rate "$rate"
+    done
+    for c in $CLOSED; do  # closed loop: C in flight, 2 x C requests, as `bench offline` runs
+      say "$exits $input/$output closed loop at C=$c"
+      bench "$exits $input/$output closed" $((seed += 1)) "$input" "$output" $((2 * c)) "$extra" \
+        --max-concurrency "$c"
     done
   done
 done
