@@ -23,15 +23,17 @@ COLUMNS = (
 )  # fmt: skip
 
 
+def _rate(run: dict[str, Any]) -> float:
+    """The offered request rate; bench serve records an unbounded one as the string "inf"."""
+    return float(run["config"]["request_rate"])
+
+
 def by_label(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Runs grouped by label, each group by ascending request rate."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for run in runs:
         groups[run["config"].get("label") or "-"].append(run)
-    return {
-        label: sorted(group, key=lambda run: run["config"]["request_rate"])
-        for label, group in groups.items()
-    }
+    return {label: sorted(group, key=_rate) for label, group in groups.items()}
 
 
 def _pair(run: dict[str, Any], metric: str) -> str:
@@ -55,7 +57,7 @@ def render(runs: list[dict[str, Any]]) -> str:
         lines += ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
         for run in group:
             cells = [
-                f"{run['config']['request_rate']:g}",
+                f"{_rate(run):g}",
                 f"{run['completed']}/{run['completed'] + run['failed']}",
                 f"{run['request_throughput']:.2f}",
                 f"{run['output_throughput']:.0f}",
@@ -78,7 +80,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("p99_ttft_ms", "TTFT p99 (ms)"), ("p99_tpot_ms", "TPOT p99 (ms)"))
     for label, group in by_label(runs).items():
-        rates = [run["config"]["request_rate"] for run in group]
+        rates = [_rate(run) for run in group]
         for axis, (key, title) in zip(axes, panels, strict=False):
             axis.plot(rates, [run.get(key) for run in group], marker="o", label=label)
             axis.set_title(title)
