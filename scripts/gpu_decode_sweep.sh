@@ -57,9 +57,9 @@ if [ "${PIPESTATUS[0]}" -ne 0 ]; then
 fi
 cp "$TESTS_LOG" "$SWEEP_LOG"
 
-step "pytest -m gpu tests/kernels/test_kernels_gpu.py" "$TESTS_LOG" "$TEST_TIMEOUT" \
-  "$PYTHON" -m pytest -m gpu tests/kernels/test_kernels_gpu.py -q -rs --durations=10 \
-  -p no:cacheprovider
+step "pytest -m gpu tests/kernels/test_kernels_gpu.py benchmarks/tests/test_sweep_tilings.py" \
+  "$TESTS_LOG" "$TEST_TIMEOUT" "$PYTHON" -m pytest -m gpu tests/kernels/test_kernels_gpu.py \
+  benchmarks/tests/test_sweep_tilings.py -q -rs --durations=10 -p no:cacheprovider
 
 # shellcheck disable=SC2086  # SWEEP_ARGS is a list of flags
 step "python -m benchmarks.decode_sweep $SWEEP_ARGS" "$SWEEP_LOG" "$SWEEP_TIMEOUT" \
@@ -68,9 +68,10 @@ step "python -m benchmarks.decode_sweep $SWEEP_ARGS" "$SWEEP_LOG" "$SWEEP_TIMEOU
 grep '"bench": "decode_sweep_summary"' "$SWEEP_JSONL" > "$OUT/decode_sweep_summary.json" || true
 
 if [ "$SMALL_TESTS" = 1 ]; then
-  step "pytest -m 'not gpu' tests/kernels/test_paged_decode.py (small shapes)" "$TESTS_LOG" \
-    "$SMALL_TIMEOUT" "$PYTHON" -m pytest -m "not gpu" tests/kernels/test_paged_decode.py -q \
-    -rs --durations=5 -p no:cacheprovider
+  step "pytest -m 'not gpu' test_paged_decode.py test_sweep_tilings.py (small shapes)" \
+    "$TESTS_LOG" "$SMALL_TIMEOUT" "$PYTHON" -m pytest -m "not gpu" \
+    tests/kernels/test_paged_decode.py benchmarks/tests/test_sweep_tilings.py -q -rs \
+    --durations=5 -p no:cacheprovider
 fi
 
 test_results="$(grep -E "(passed|failed|error|deselected) in " "$TESTS_LOG" | grep -v '^[={]')"
