@@ -168,7 +168,11 @@ def serve_replicas(
         )
         serve.run(app, name=APP_NAME, route_prefix="/")
         address = f"http://{server_config.host}:{server_config.port}"
-        print(f"loopserve: {num_replicas} engine replica(s) behind {address}", flush=True)
+        # the same line as one engine's server prints, so scripts find the address either way
+        print(
+            f"loopserve serve: listening on {address} ({num_replicas} engine replica(s))",
+            flush=True,
+        )
         while not stop.wait(1.0):
             pass
     finally:
