@@ -85,18 +85,18 @@ def _found() -> dict[str, set[str]]:
     return found
 
 
+def _beyond(modules: dict[str, set[str]], others: dict[str, set[str]]) -> list[str]:
+    """The paths of `modules` that `others` does not hold."""
+    return sorted(
+        f"loopserve/{folder}/{name}.py".replace("//", "/")
+        for folder, names in modules.items()
+        for name in names - others.get(folder, set())
+    )
+
+
 def test_the_package_holds_exactly_the_listed_modules() -> None:
     found = _found()
-    unlisted = sorted(
-        f"loopserve/{folder}/{name}.py".replace("//", "/")
-        for folder, names in found.items()
-        for name in names - MODULES.get(folder, set())
-    )
-    gone = sorted(
-        f"loopserve/{folder}/{name}.py".replace("//", "/")
-        for folder, names in MODULES.items()
-        for name in names - found.get(folder, set())
-    )
+    unlisted, gone = _beyond(found, MODULES), _beyond(MODULES, found)
     assert not unlisted, (
         f"modules the list does not name: {unlisted}; a kernel-tuning or probing tool belongs "
         "in benchmarks/, a product module goes into MODULES here"
