@@ -17,8 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from loopserve.models.layers import LoopContext
 from loopserve.models.loader import dummy_model
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.sample.sampler import SamplingBatch, sample
 from loopserve.sampling_params import SamplingInfo, SamplingParams
@@ -67,7 +68,7 @@ def _time(fn: object, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _costs_at(model: OuroForCausalLM, batch: int, device: torch.device) -> dict[str, object]:
+def _costs_at(model: LoopedForCausalLM, batch: int, device: torch.device) -> dict[str, object]:
     hidden = torch.randn(batch, model.config.hidden_size, device=device).to(model.dtype)
     cos, sin = model.rope(torch.zeros(batch, dtype=torch.int64, device=device))
 
@@ -96,7 +97,7 @@ def _costs_at(model: OuroForCausalLM, batch: int, device: torch.device) -> dict[
     }
 
 
-def step_costs(model: OuroForCausalLM, device: torch.device) -> list[dict[str, object]]:
+def step_costs(model: LoopedForCausalLM, device: torch.device) -> list[dict[str, object]]:
     """Loop vs coda vs gate time per batch size (attention over a 1-token context: weights only)."""
     return [_costs_at(model, batch, device) for batch in (1, 8, 32, 128)]
 

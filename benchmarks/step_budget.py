@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.step_profile import decode_step_kernels, device_step_ms, steady_engine
+from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.decode_step import SamplingKind
 from loopserve.runner.model_runner import ModelRunner
@@ -64,7 +65,7 @@ def profile_step(runner: ModelRunner, rows: int, kind: SamplingKind) -> dict[str
     return dict(budget)
 
 
-def step_bytes(config: OuroConfig, rows: int, context: int) -> dict[str, float]:
+def step_bytes(config: LoopedConfig, rows: int, context: int) -> dict[str, float]:
     """Bytes each category must move in one decode loop of `rows` rows of `context` tokens."""
     hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q_size = config.num_attention_heads * config.head_dim

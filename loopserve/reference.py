@@ -18,7 +18,8 @@ import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.depth.trace import D2_6, resolved_trace_depth
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.models.layers import LoopContext
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.sample.sampler import SamplingBatch, sample
 from loopserve.sampling_params import ResolvedParams, SamplingInfo
@@ -76,7 +77,7 @@ class SerialReference:
 
     def __init__(
         self,
-        model: OuroForCausalLM,
+        model: LoopedForCausalLM,
         kv_layout: str = "full",
         exit_mode: str = "ouro",
         trace_distribution: Sequence[float] = D2_6,
@@ -89,7 +90,7 @@ class SerialReference:
         self.kv_layout = kv_layout
         self.exit_mode = exit_mode
         self.trace_distribution = tuple(trace_distribution)
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.device
 
     @torch.inference_mode()
     def generate(
@@ -222,9 +223,9 @@ class SerialReference:
 
 
 @torch.inference_mode()
-def dense_logits(model: OuroForCausalLM, token_ids: list[int], num_loops: int) -> torch.Tensor:
+def dense_logits(model: LoopedForCausalLM, token_ids: list[int], num_loops: int) -> torch.Tensor:
     """Cache-free full recompute at fixed depth: logits [N, V] of every position."""
-    device = model.model.embed_tokens.weight.device
+    device = model.device
     cos, sin = model.rope(torch.arange(len(token_ids), device=device))
     hidden = model.embed(torch.tensor(token_ids, device=device))
 

@@ -32,7 +32,7 @@ def ensure_random_checkpoint(directory: Path = DEFAULT_CACHE_DIR) -> Path:
     import torch
 
     from loopserve.models.checkpoint_writer import random_state_dict, write_checkpoint
-    from loopserve.models.ouro_config import preset_config
+    from loopserve.models.families import preset_config
 
     config = preset_config(PRESET)
     partial = directory.with_name(f"{directory.name}.partial")

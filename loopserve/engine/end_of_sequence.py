@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loopserve.models.generation_config import GenerationDefaults
-from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.model_config import LoopedConfig
 from loopserve.tokenizer import Tokenizer
 
 # Tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Phi-3, Gemma).
@@ -43,7 +43,7 @@ class EndOfSequence:
 
 
 def end_of_sequence(
-    model: OuroConfig, generation: GenerationDefaults, tokenizer: Tokenizer | None
+    model: LoopedConfig, generation: GenerationDefaults, tokenizer: Tokenizer | None
 ) -> EndOfSequence:
     """The end-of-sequence set of a checkpoint (see the module docstring for the rule)."""
     found: dict[int, list[str]] = {}

@@ -37,7 +37,7 @@ from loopserve.models.generation_config import (
     SamplingDefaults,
     read_generation_defaults,
 )
-from loopserve.models.ouro_config import ConfigError
+from loopserve.models.model_config import ConfigError
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loopserve.request import Request
 from loopserve.sampling_params import ResolvedParams, SamplingParams
@@ -186,6 +186,12 @@ class Engine:
         threshold = params.exit_threshold
         if threshold is None:
             threshold = self.model_config.early_exit_threshold
+        if threshold < 1.0 and not self.model_config.has_exit_gate:
+            raise ValueError(
+                f"exit_threshold {threshold} asks for gate exits, but {self.model_config.family} "
+                "models have no exit gate: leave it unset (every token runs max_loops loops) or "
+                "use exit_mode 'trace'"
+            )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return ResolvedParams(
             params=params,

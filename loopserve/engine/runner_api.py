@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from loopserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.model_config import LoopedConfig
 
 if TYPE_CHECKING:
     from loopserve.config import EngineConfig
@@ -27,7 +27,7 @@ DEFAULT_RUNNER_FACTORY = "loopserve.runner.setup:build_runner"
 class RunnerInfo:
     """What a runner resolved at start-up (never written back into `EngineConfig`)."""
 
-    model_config: OuroConfig  # the model the runner runs
+    model_config: LoopedConfig  # the model the runner runs
     model_dir: str | None  # where its tokenizer and generation_config.json live, if anywhere
     num_kv_pages: int  # the null page included
     max_model_len: int

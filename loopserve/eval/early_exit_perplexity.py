@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.models.layers import LoopContext
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.window_attention import causal_attention
 
 
@@ -93,7 +94,7 @@ def _exits_after_loop(
 
 @torch.no_grad()
 def score_windows(
-    model: OuroForCausalLM, windows: torch.Tensor, settings: ExitSettings
+    model: LoopedForCausalLM, windows: torch.Tensor, settings: ExitSettings
 ) -> WindowScores:
     """Teacher-forced log-probabilities and exit depths for windows [B, S] (see module doc)."""
     if settings.max_loops > model.config.num_loops:

@@ -17,7 +17,7 @@ import torch
 from loopserve.data.corpus import load_split
 from loopserve.data.windows import eval_windows, token_stream
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
-from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.tokenizer import Tokenizer
 
 
@@ -74,7 +74,7 @@ def _label(settings: ExitSettings) -> str:
 
 
 def evaluate_setting(
-    model: OuroForCausalLM, windows: torch.Tensor, settings: ExitSettings, batch_size: int
+    model: LoopedForCausalLM, windows: torch.Tensor, settings: ExitSettings, batch_size: int
 ) -> CurvePoint:
     """Score every window [W, S] under `settings` and aggregate."""
     total_nll = 0.0

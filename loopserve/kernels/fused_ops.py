@@ -1,6 +1,7 @@
 """Triton kernels for the elementwise and row-wise parts of a layer, each one launch.
 
-Owns: RMSNorm, residual-add + two RMSNorms, rotate-half RoPE (in place; q and k in one launch
+Owns: RMSNorm, residual-add + two RMSNorms (or one, for a pre-norm layer), rotate-half RoPE (in
+place; q and k in one launch
 when they are views of one projection) and SiLU(gate) * up, and the jit helpers that hold their
 arithmetic (`silu_times` is also `kernels.matmul`'s SwiGLU epilogue, so both round alike).
 Must not: change the math of the torch ops they replace. Every kernel computes in fp32 and rounds
@@ -79,6 +80,7 @@ def _add_norm_kernel(
     stride_residual,
     size,
     eps,
+    NORM_UPDATE: tl.constexpr,  # False: a pre-norm layer adds the update as it is
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -87,10 +89,15 @@ def _add_norm_kernel(
     dtype = sum_ptr.dtype.element_ty
     update = tl.load(update_ptr + row * stride_update + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-    update_weight = tl.load(update_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out_weight = tl.load(out_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    update_inverse = inverse_rms(update, mask, size, eps)
-    total = add_normalised(update, residual.to(tl.float32), update_weight, update_inverse, dtype)
+    if NORM_UPDATE:
+        update_weight = tl.load(update_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        update_inverse = inverse_rms(update, mask, size, eps)
+        total = add_normalised(
+            update, residual.to(tl.float32), update_weight, update_inverse, dtype
+        )
+    else:
+        total = (residual.to(tl.float32) + update).to(dtype)
     tl.store(sum_ptr + row * size + cols, total, mask=mask)
     normed = _normalise(total.to(tl.float32), out_weight, mask, size, eps, dtype)
     tl.store(normed_ptr + row * size + cols, normed, mask=mask)
@@ -180,19 +187,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_norm(
     update: torch.Tensor,
     residual: torch.Tensor,
-    update_weight: torch.Tensor,
+    update_weight: torch.Tensor | None,
     out_weight: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + norm_u(update), norm_o of that); all [T, H]."""
+    """(residual + norm_u(update), norm_o of that); all [T, H]. Without `update_weight` the
+    update is added as it is (a pre-norm layer's residual)."""
     rows, size = update.shape
     total = torch.empty((rows, size), dtype=update.dtype, device=update.device)
     normed = torch.empty_like(total)
     if rows:
         _add_norm_kernel[(rows,)](
-            update, residual, update_weight, out_weight, total, normed,
-            update.stride(0), residual.stride(0), size, eps,
-            BLOCK=triton.next_power_of_2(size),
+            update, residual, out_weight if update_weight is None else update_weight,
+            out_weight, total, normed, update.stride(0), residual.stride(0), size, eps,
+            NORM_UPDATE=update_weight is not None, BLOCK=triton.next_power_of_2(size),
         )  # fmt: skip
     return total, normed
 

@@ -1,8 +1,9 @@
-"""Writes random-weight Ouro checkpoints in the exact HF layout, for tests and benchmarks.
+"""Writes random-weight checkpoints of every looped family in the exact HF layout, for tests and
+benchmarks.
 
 Owns: config.json, generation_config.json and safetensors files (single or sharded with an index)
-for any `OuroConfig`; config.json declares the dtype the tensors really have, and every file gets
-the same permissions (0666 less the umask, as `open` gives). Must not: be used to save trained
+for any family's config; config.json declares the dtype the tensors really have, and every file
+gets the same permissions (0666 less the umask, as `open` gives). Must not: be used to save trained
 models silently over existing files.
 """
 
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from loopserve.models.loader import INDEX_FILE, SINGLE_FILE, expected_tensors
-from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.model_config import LoopedConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ class RandomInit:
 
 
 def random_state_dict(
-    config: OuroConfig,
+    config: LoopedConfig,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     init: RandomInit | None = None,
@@ -63,7 +64,7 @@ def random_state_dict(
 
 def write_checkpoint(
     directory: str | Path,
-    config: OuroConfig,
+    config: LoopedConfig,
     tensors: dict[str, torch.Tensor],
     *,
     max_shard_bytes: int | None = None,
@@ -117,7 +118,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
 
 def write_random_checkpoint(
     directory: str | Path,
-    config: OuroConfig,
+    config: LoopedConfig,
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,

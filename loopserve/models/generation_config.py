@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from loopserve.models.ouro_config import ConfigError
+from loopserve.models.model_config import ConfigError
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 

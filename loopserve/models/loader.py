@@ -1,4 +1,5 @@
-"""Native safetensors loading of Ouro checkpoints (single file or sharded), and dummy weights.
+"""Native safetensors loading of every looped family's checkpoints (one file or sharded), and
+dummy weights.
 
 Owns: finding the checkpoint files, validating every tensor name, shape and dtype against the config
 *before* allocating the model, and copying the weights onto the target device in the target dtype.
@@ -15,6 +16,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from loopserve.models.families import read_model_config
+from loopserve.models.looped import LoopedForCausalLM
+from loopserve.models.model_config import LoopedConfig
+from loopserve.models.nanbeige import NanbeigeForCausalLM
+from loopserve.models.nanbeige_config import NanbeigeConfig
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.models.ouro_config import OuroConfig
 
@@ -53,36 +59,27 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
-def expected_tensors(config: OuroConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name an HF Ouro checkpoint must hold, with its shape."""
-    hidden, inner = config.hidden_size, config.intermediate_size
-    q_size = config.num_attention_heads * config.head_dim
-    kv_size = config.num_key_value_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-        "model.early_exit_gate.weight": (1, hidden),
-        "model.early_exit_gate.bias": (1,),
-    }
-    for index in range(config.num_hidden_layers):
-        prefix = f"model.layers.{index}"
-        shapes[f"{prefix}.self_attn.q_proj.weight"] = (q_size, hidden)
-        shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_size, hidden)
-        shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_size, hidden)
-        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_size)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (inner, hidden)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (inner, hidden)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, inner)
-        for norm in (
-            "input_layernorm",
-            "input_layernorm_2",
-            "post_attention_layernorm",
-            "post_attention_layernorm_2",
-        ):
-            shapes[f"{prefix}.{norm}.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
+def build_model(config: LoopedConfig) -> LoopedForCausalLM:
+    """The family's model for `config` (on the current default device, uninitialised)."""
+    if isinstance(config, OuroConfig):
+        return OuroForCausalLM(config)
+    if isinstance(config, NanbeigeConfig):
+        return NanbeigeForCausalLM(config)
+    raise ValueError(f"no model class for {type(config).__name__}")
+
+
+def expected_tensors(config: LoopedConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a checkpoint of the family must hold, with its shape: the model's own
+    parameters (its module tree is the HF layout), without a tied LM head. In the order the
+    random writer draws them: the body's tensors outside the layers, the layers, the LM head."""
+    with torch.device("meta"):
+        model = build_model(config)
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+    def group(name: str) -> int:
+        return 2 if name == "lm_head.weight" else int(name.startswith("model.layers."))
+
+    return {name: shapes[name] for name in sorted(shapes, key=group)}
 
 
 def checkpoint_files(directory: Path) -> dict[str, Path]:
@@ -109,7 +106,7 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
     )
 
 
-def validate_checkpoint(config: OuroConfig, files: dict[str, Path]) -> None:
+def validate_checkpoint(config: LoopedConfig, files: dict[str, Path]) -> None:
     """Check names, shapes and dtypes from the file headers only; raise on the first mismatch."""
     expected = expected_tensors(config)
     missing = sorted(set(expected) - set(files))
@@ -121,7 +118,9 @@ def validate_checkpoint(config: OuroConfig, files: dict[str, Path]) -> None:
         unexpected = []
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
-        raise CheckpointError(f"checkpoint has unexpected tensor(s) not in an Ouro model: {shown}")
+        raise CheckpointError(
+            f"checkpoint has unexpected tensor(s) not in a {config.family} model: {shown}"
+        )
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
@@ -138,7 +137,7 @@ def validate_checkpoint(config: OuroConfig, files: dict[str, Path]) -> None:
                 _check_dtype(config, name, path, view.get_dtype())
 
 
-def _check_dtype(config: OuroConfig, name: str, path: Path, dtype: str) -> None:
+def _check_dtype(config: LoopedConfig, name: str, path: Path, dtype: str) -> None:
     if dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(
             f"tensor {name} in {path.name} has dtype {dtype}; "
@@ -152,9 +151,11 @@ def _check_dtype(config: OuroConfig, name: str, path: Path, dtype: str) -> None:
         )
 
 
-def _empty_model(config: OuroConfig, dtype: torch.dtype, device: torch.device) -> OuroForCausalLM:
+def _empty_model(
+    config: LoopedConfig, dtype: torch.dtype, device: torch.device
+) -> LoopedForCausalLM:
     with torch.device("meta"):
-        model = OuroForCausalLM(config)
+        model = build_model(config)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -163,12 +164,12 @@ def _empty_model(config: OuroConfig, dtype: torch.dtype, device: torch.device) -
 
 def load_checkpoint(
     directory: str | Path, dtype: torch.dtype, device: torch.device | str
-) -> OuroForCausalLM:
-    """Load an HF-layout Ouro checkpoint directory onto `device` in `dtype`."""
+) -> LoopedForCausalLM:
+    """Load an HF-layout checkpoint directory of any family onto `device` in `dtype`."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory (expected an HF checkpoint folder)")
-    config = OuroConfig.from_file(directory / "config.json")
+    config = read_model_config(directory / "config.json")
     files = checkpoint_files(directory)
     validate_checkpoint(config, files)
     device = torch.device(device)
@@ -187,8 +188,8 @@ def load_checkpoint(
 
 
 def dummy_model(
-    config: OuroConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0
-) -> OuroForCausalLM:
+    config: LoopedConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> LoopedForCausalLM:
     """Random weights with no file at all (benchmarks); initialised on the device itself."""
     model = _empty_model(config, dtype, torch.device(device))
     generator = torch.Generator(device=torch.device(device)).manual_seed(seed)

@@ -47,9 +47,14 @@ class ModelOps(Protocol):
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor: ...
 
     def add_norm(
-        self, update: torch.Tensor, residual: torch.Tensor, update_norm: RMSNorm, out_norm: RMSNorm
+        self,
+        update: torch.Tensor,
+        residual: torch.Tensor,
+        update_norm: RMSNorm | None,
+        out_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + update_norm(update), out_norm of that)."""
+        """(residual + update_norm(update), out_norm of that); without `update_norm` (a pre-norm
+        layer) the update is added as it is."""
         ...
 
     def rotary(
@@ -88,9 +93,13 @@ class TorchOps:
         return norm(x)
 
     def add_norm(
-        self, update: torch.Tensor, residual: torch.Tensor, update_norm: RMSNorm, out_norm: RMSNorm
+        self,
+        update: torch.Tensor,
+        residual: torch.Tensor,
+        update_norm: RMSNorm | None,
+        out_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        total = residual + update_norm(update)
+        total = residual + (update if update_norm is None else update_norm(update))
         return total, out_norm(total)
 
     def rotary(
@@ -155,12 +164,17 @@ class TritonOps(TorchOps):
         return self._kernels.rms_norm(x, norm.weight, norm.eps)
 
     def add_norm(
-        self, update: torch.Tensor, residual: torch.Tensor, update_norm: RMSNorm, out_norm: RMSNorm
+        self,
+        update: torch.Tensor,
+        residual: torch.Tensor,
+        update_norm: RMSNorm | None,
+        out_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if update_norm.eps != out_norm.eps:
+        if update_norm is not None and update_norm.eps != out_norm.eps:
             raise ValueError("fused add_norm needs both norms to share eps")
+        update_weight = None if update_norm is None else update_norm.weight
         return self._kernels.add_norm(
-            update, residual, update_norm.weight, out_norm.weight, update_norm.eps
+            update, residual, update_weight, out_norm.weight, out_norm.eps
         )
 
     def rotary(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loopserve.models.ouro import AttentionFn
+from loopserve.models.layers import AttentionFn
 
 
 def causal_attention(batch: int, seq_len: int) -> AttentionFn:

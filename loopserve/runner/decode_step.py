@@ -38,7 +38,8 @@ from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.models.layers import LoopContext
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables
 from loopserve.sample.sampler import (
     SampleResult,
@@ -72,7 +73,7 @@ class SamplingKind:
 class DecodeStep:
     def __init__(
         self,
-        model: OuroForCausalLM,
+        model: LoopedForCausalLM,
         kv: KVStorage,
         backend: AttentionBackend,
         block_tables: BlockTables,
@@ -126,7 +127,7 @@ class DecodeStep:
                 self,
                 block_tables.tables,
                 block_tables.block_size,
-                embedding=model.model.embed_tokens.weight,
+                embedding=model.embedding,
                 rope=model.rope(torch.arange(positions, device=device)),
                 no_refill=self.scheduling is policy.Scheduling.NO_REFILL,
                 full_layout=self.layout.copies_on_exit,

@@ -25,8 +25,9 @@ import torch
 from loopserve.attention.torch_backend import causal_attention
 from loopserve.config import EngineConfig, KVAllocation, SchedulerConfig, option_name
 from loopserve.kv.pages import pages_for
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
-from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.layers import LoopContext
+from loopserve.models.looped import LoopedForCausalLM
+from loopserve.models.model_config import LoopedConfig
 from loopserve.sample.sampler import SamplingBatch, sample
 from loopserve.sampling_params import SamplingInfo, SamplingParams
 
@@ -40,7 +41,7 @@ _CPU_DEFAULT_CAP_BYTES = 4 << 30
 
 
 @torch.inference_mode()
-def profile_step_peak(model: OuroForCausalLM, config: EngineConfig, device: torch.device) -> int:
+def profile_step_peak(model: LoopedForCausalLM, config: EngineConfig, device: torch.device) -> int:
     """Peak activation bytes of the largest step: a full prompt-token budget through one loop,
     and the coda (LM head + sampling with filters) for every slot."""
     torch.cuda.synchronize(device)
@@ -64,7 +65,7 @@ def profile_step_peak(model: OuroForCausalLM, config: EngineConfig, device: torc
 
 
 def num_kv_pages(
-    config: EngineConfig, model: OuroForCausalLM, bytes_per_page: int, device: torch.device
+    config: EngineConfig, model: LoopedForCausalLM, bytes_per_page: int, device: torch.device
 ) -> int:
     """Pages of the KV cache, the null page included."""
     if config.num_kv_pages is not None:
@@ -123,7 +124,7 @@ def _check_explicit_pages(pages: int, bytes_per_page: int, device: torch.device)
         )
 
 
-def slot_bytes(config: EngineConfig, model_config: OuroConfig, element_size: int) -> int:
+def slot_bytes(config: EngineConfig, model_config: LoopedConfig, element_size: int) -> int:
     """Rough bytes of one request slot besides its KV pages: its block-table rows (int32, every
     plane, the longest request), the decode step's per-slot state (a hidden vector, a few dozen
     scalars, stop ids, trace depths) and its row's float32 logits and sampling buffers."""
@@ -134,7 +135,7 @@ def slot_bytes(config: EngineConfig, model_config: OuroConfig, element_size: int
 
 
 def check_slot_state(
-    config: EngineConfig, model_config: OuroConfig, element_size: int, device: torch.device
+    config: EngineConfig, model_config: LoopedConfig, element_size: int, device: torch.device
 ) -> None:
     """`max_num_seqs` request slots must fit in the memory free, before anything is allocated
     for them (or profiled with them)."""
@@ -161,7 +162,7 @@ def check_swap_space(config: EngineConfig, device: torch.device) -> None:
         )
 
 
-def gpu_kv_budget(config: EngineConfig, model: OuroForCausalLM, device: torch.device) -> int:
+def gpu_kv_budget(config: EngineConfig, model: LoopedForCausalLM, device: torch.device) -> int:
     """This engine's share of the GPU (`gpu_memory_utilization` of its memory, as in vLLM: a
     per-engine budget, so engines that share a GPU each take their own fraction) less the
     weights, the step peak and a margin; never more than the GPU has free now. With CUDA graphs
@@ -200,21 +201,21 @@ def _available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _useful_pages(config: EngineConfig, model_config: OuroConfig) -> int:
+def _useful_pages(config: EngineConfig, model_config: LoopedConfig) -> int:
     """Pages that max_num_seqs requests of the longest length can reserve at once, plus the null
     page: a larger CPU cache would never be used."""
     length = config.max_model_len or model_config.max_position_embeddings
     return config.scheduler.max_num_seqs * _pages_for_one_request(config, model_config, length) + 1
 
 
-def _pages_for_one_request(config: EngineConfig, model_config: OuroConfig, length: int) -> int:
+def _pages_for_one_request(config: EngineConfig, model_config: LoopedConfig, length: int) -> int:
     """Worst-case pages of one request of `length` tokens (whose prompt may be nearly all of them,
     so both layouts need every plane)."""
     block = config.scheduler.block_size
     return config.scheduler.kv_layout.pages_needed(model_config.num_loops, length, length, block)
 
 
-def resolve_max_model_len(config: EngineConfig, model_config: OuroConfig, num_pages: int) -> int:
+def resolve_max_model_len(config: EngineConfig, model_config: LoopedConfig, num_pages: int) -> int:
     """`max_model_len`: the configured one (checked against the cache) or the longest that fits.
 
     Raises:
@@ -252,7 +253,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: OuroConfig, num_pa
 
 
 def _longest_fitting(
-    config: EngineConfig, model_config: OuroConfig, usable_pages: int, limit: int
+    config: EngineConfig, model_config: LoopedConfig, usable_pages: int, limit: int
 ) -> int:
     """The largest length <= limit whose worst case fits in usable_pages (0 if none does)."""
     low, high = 0, limit  # invariant: low fits (0 trivially), everything above high does not
@@ -272,7 +273,7 @@ def _raise_memory_hint(config: EngineConfig) -> str:
 
 
 def check_one_request_fits(
-    config: EngineConfig, model_config: OuroConfig, num_pages: int, max_model_len: int
+    config: EngineConfig, model_config: LoopedConfig, num_pages: int, max_model_len: int
 ) -> None:
     """Auto-sized caches must hold at least one request of max_model_len tokens."""
     block = config.scheduler.block_size

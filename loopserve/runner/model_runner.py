@@ -20,7 +20,7 @@ from loopserve.engine.scheduler_output import (
     SampledToken,
     SchedulerOutput,
 )
-from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import (
@@ -92,7 +92,7 @@ def _decode_result(record: torch.Tensor, counts: list[int | None]) -> DecodeResu
 class ModelRunner:
     def __init__(
         self,
-        model: OuroForCausalLM,
+        model: LoopedForCausalLM,
         block_tables: BlockTables,
         decode: DecodeStep,
         prompts: PromptRunner,

@@ -19,7 +19,8 @@ from loopserve.engine.scheduler_output import PrefillChunk, SampledToken
 from loopserve.kv.layout import KVLayout
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.models.layers import LoopContext
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.runner.block_tables import BlockTables, PromptPass
 from loopserve.runner.prompt_graphs import GraphedPromptLoop
@@ -29,7 +30,7 @@ from loopserve.sample.sampler import SampleResult, SamplingBatch, sample
 class PromptRunner:
     def __init__(
         self,
-        model: OuroForCausalLM,
+        model: LoopedForCausalLM,
         kv: KVStorage,
         backend: AttentionBackend,
         block_tables: BlockTables,

@@ -20,7 +20,8 @@ import torch
 from loopserve.attention.base import AttentionBackend
 from loopserve.attention.paged import PagedAttention
 from loopserve.kv.storage import KVStorage
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.models.layers import LoopContext
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables, PromptPass
 from loopserve.runner.graph_capture import Captured, capture
 
@@ -39,7 +40,7 @@ def token_bucket(tokens: int, max_tokens: int) -> int | None:
 class GraphedPromptLoop:
     def __init__(
         self,
-        model: OuroForCausalLM,
+        model: LoopedForCausalLM,
         kv: KVStorage,
         backend: AttentionBackend,
         block_tables: BlockTables,

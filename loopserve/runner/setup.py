@@ -26,10 +26,10 @@ from loopserve.kernels.availability import triton_installed
 from loopserve.kv.pages import pages_for
 from loopserve.kv.storage import KVStorage
 from loopserve.models.builtin import resolve_model_dir
+from loopserve.models.families import read_model_config
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
+from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.ops import TritonOps
-from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep
@@ -86,7 +86,7 @@ def _cpu_has_native_bfloat16() -> bool:
         return False
 
 
-def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> OuroForCausalLM:
+def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> LoopedForCausalLM:
     """Weights on the device, projections fused, and the layer ops chosen for the device."""
     use_triton = triton_installed()
     fused = device.type == "cuda" and config.fused_kernels and use_triton
@@ -96,7 +96,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> O
             f"(device {device.type}, fused_kernels {config.fused_kernels}, triton "
             f"{'installed' if use_triton else 'missing'}); leave batch_invariant off here"
         )
-    model_config = OuroConfig.from_file(model_dir / "config.json")
+    model_config = read_model_config(model_dir / "config.json")
     limit = model_config.max_position_embeddings
     # kv_budget says the same after the weights; config.json alone can say it before them.
     if config.max_model_len is not None and config.max_model_len > limit:
@@ -120,7 +120,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> O
     return model
 
 
-def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> ModelRunner:
+def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -> ModelRunner:
     """The runner for `config`: the checkpoint loaded onto `config.device`, or `model` when one
     is given (already on that device; a test's fake model, say)."""
     device = resolve_device(config.device)
@@ -191,7 +191,7 @@ def build_runner(config: EngineConfig, model: OuroForCausalLM | None = None) -> 
 
 
 def _attention_spec(
-    config: EngineConfig, model: OuroForCausalLM, device: torch.device
+    config: EngineConfig, model: LoopedForCausalLM, device: torch.device
 ) -> AttentionSpec:
     model_config = model.config
     return AttentionSpec(

@@ -1,6 +1,7 @@
-"""Engine token ids and exit depths equal the serial reference (fp32, CPU) across layouts, exit
-modes, scheduling modes, batch compositions with staggered arrivals, prefill chunk sizes, and
-models with 4, 3 and 2 loops."""
+"""Engine token ids and exit depths equal the serial reference (fp32, CPU) across families, layouts,
+exit modes, scheduling modes, batch compositions with staggered arrivals, prefill chunk sizes, and
+models with 4, 3 and 2 loops: Ouro (every exit mode) and Nanbeige4.2 (fixed depth and traces; GQA
+6:1, with the final norm between loops and without)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from loopserve.depth.trace import D2_6
 from loopserve.engine.engine import Engine
 from loopserve.engine.stats import EngineStats
 from loopserve.models.checkpoint_writer import write_random_checkpoint
-from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.families import preset_config, read_model_config
 from loopserve.reference import SerialReference
 from loopserve.sampling_params import SamplingParams
 from tests.conftest import TINY_CONFIG, VARIED_GATE
@@ -99,36 +100,68 @@ RUN_STATS: dict[tuple[object, ...], EngineStats] = {}
 
 
 def engine_loops(checkpoint: Path) -> int:
-    return OuroConfig.from_file(checkpoint / "config.json").num_loops
+    return read_model_config(checkpoint / "config.json").num_loops
+
+
+# Tiny Nanbeige checkpoints: name -> config.json fields changed from the nanbeige-tiny preset.
+NANBEIGE = {
+    "nanbeige": {},
+    "nanbeige-3-skip": {"num_loops": 3, "skip_loop_final_norm": True},
+}
+# The exit modes a family has (Nanbeige has no gate).
+NANBEIGE_MODES = ("fixed", "trace")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(request, tiny_checkpoint: Path, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    """The tiny random checkpoint with 4 loops, or the same shapes with fewer (the parameter)."""
-    loops = getattr(request, "param", 4)
-    if loops == 4:
+    """The parameter: the tiny random Ouro checkpoint's loop count (4, or the same shapes with
+    fewer), or the name of a tiny Nanbeige checkpoint (`NANBEIGE`)."""
+    param = getattr(request, "param", 4)
+    if param == 4:
         return tiny_checkpoint
-    directory = tmp_path_factory.mktemp(f"tiny-ouro-{loops}")
-    config = dataclasses.replace(TINY_CONFIG, num_loops=loops)
-    return write_random_checkpoint(directory, config, seed=loops, init=VARIED_GATE)
+    directory = tmp_path_factory.mktemp(f"tiny-{param}")
+    if isinstance(param, str):
+        config = preset_config("nanbeige-tiny", NANBEIGE[param] | {"eos_token_id": None})
+        return write_random_checkpoint(directory, config, seed=len(param))
+    config = dataclasses.replace(TINY_CONFIG, num_loops=param)
+    return write_random_checkpoint(directory, config, seed=param, init=VARIED_GATE)
 
 
 LAYOUTS, SCHEDULINGS = ("full", "shared"), ("refill", "no_refill")
 # Every combination on the 4-loop checkpoint; 8 staggered requests in chunks of 5 with 3 and 2.
-CASES = [
-    (4, layout, mode, scheduling, count, chunk)
-    for layout in LAYOUTS
-    for mode in MODES
-    for scheduling in SCHEDULINGS
-    for count in (1, 3, 8)
-    for chunk in (1, 5, 128)
-] + [
-    (loops, layout, mode, scheduling, 8, 5)
-    for loops in (3, 2)
-    for layout in LAYOUTS
-    for mode in MODES
-    for scheduling in SCHEDULINGS
-]
+CASES = (
+    [
+        (4, layout, mode, scheduling, count, chunk)
+        for layout in LAYOUTS
+        for mode in MODES
+        for scheduling in SCHEDULINGS
+        for count in (1, 3, 8)
+        for chunk in (1, 5, 128)
+    ]
+    + [
+        (loops, layout, mode, scheduling, 8, 5)
+        for loops in (3, 2)
+        for layout in LAYOUTS
+        for mode in MODES
+        for scheduling in SCHEDULINGS
+    ]
+    + [
+        ("nanbeige", layout, mode, scheduling, count, chunk)
+        for layout in LAYOUTS
+        for mode in NANBEIGE_MODES
+        for scheduling in SCHEDULINGS
+        for count in (1, 8)
+        for chunk in (1, 5, 128)
+    ]
+    + [
+        ("nanbeige-3-skip", layout, mode, scheduling, 8, 5)
+        for layout in LAYOUTS
+        for mode in NANBEIGE_MODES
+        for scheduling in SCHEDULINGS
+    ]
+)
+# Every exit mode of each family, for the tests that run one checkpoint per family.
+FAMILY_MODES = [(4, mode) for mode in MODES] + [("nanbeige", mode) for mode in NANBEIGE_MODES]
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +207,7 @@ def test_engine_equals_serial_reference(
 
 
 @pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("checkpoint", "mode"), FAMILY_MODES, indirect=["checkpoint"])
 @pytest.mark.parametrize("layout", ["full", "shared"])
 def test_synchronous_scheduling_equals_serial_reference(
     checkpoint: Path, reference, layout: str, mode: str, scheduling: str
@@ -189,7 +222,8 @@ def test_synchronous_scheduling_equals_serial_reference(
 
 @pytest.mark.parametrize(
     ("checkpoint", "mode"),
-    [(4, "ouro"), (4, "ouro_delayed"), (4, "trace"), (3, "ouro"), (2, "ouro"), (2, "trace")],
+    [(4, "ouro"), (4, "ouro_delayed"), (4, "trace"), (3, "ouro"), (2, "ouro"), (2, "trace")]
+    + [("nanbeige", "trace"), ("nanbeige-3-skip", "trace")],
     indirect=["checkpoint"],
 )
 def test_adaptive_modes_really_vary_the_depth(reference, mode: str) -> None:  # type: ignore[no-untyped-def]
@@ -199,13 +233,15 @@ def test_adaptive_modes_really_vary_the_depth(reference, mode: str) -> None:  # 
     assert len(set(depths)) >= 2, depths
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("checkpoint", "mode"), FAMILY_MODES, indirect=["checkpoint"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_preempted_requests_keep_every_token_and_depth(
     checkpoint: Path, reference, layout: str, mode: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """A cache of 30 pages: requests are swapped out and back in while they grow."""
-    results = run_engine(checkpoint, layout, mode, "refill", 8, 5, num_kv_pages=20)
+    """A small cache (20 pages with 4 loops, 8 with Nanbeige's 2): requests are swapped out and
+    back in while they grow."""
+    pages = 8 if engine_loops(checkpoint) == 2 else 20
+    results = run_engine(checkpoint, layout, mode, "refill", 8, 5, num_kv_pages=pages)
     assert RUN_STATS[checkpoint, layout, mode, "refill", 8, 5].num_preemptions > 0
     for index in range(8):
         assert results[str(index)] == reference(layout, mode, index), f"request {index}"
@@ -216,7 +252,7 @@ SHARED_PREFIX = list(range(50, 86))
 PREFIXED = [SHARED_PREFIX + prompt[: 3 + index] for index, prompt in enumerate(PROMPTS[:6])]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("checkpoint", "mode"), FAMILY_MODES, indirect=["checkpoint"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_prefix_cache_hits_give_the_tokens_of_a_miss(
     checkpoint: Path, reference, layout: str, mode: str
@@ -228,13 +264,16 @@ def test_prefix_cache_hits_give_the_tokens_of_a_miss(
         assert results[str(index)] == expected, f"request {index}"
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "mode"), [(4, "ouro"), ("nanbeige", "fixed")], indirect=["checkpoint"]
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_reserved_allocation_equals_serial_reference(
-    checkpoint: Path, reference, layout: str
+    checkpoint: Path, reference, layout: str, mode: str
 ) -> None:  # type: ignore[no-untyped-def]
     """The worst-case reservation mode, with the prefix cache off."""
     results = run_engine(
-        checkpoint, layout, "ouro", "refill", 8, 5, kv_allocation="reserve", prefix_caching=False
+        checkpoint, layout, mode, "refill", 8, 5, kv_allocation="reserve", prefix_caching=False
     )
     for index in range(8):
-        assert results[str(index)] == reference(layout, "ouro", index), f"request {index}"
+        assert results[str(index)] == reference(layout, mode, index), f"request {index}"

@@ -13,7 +13,7 @@ import pytest
 
 from loopserve import LLM, CompletionOutput, RequestOutput, SamplingParams
 from loopserve.models.builtin import BUILTIN_MODEL_DIR, BUILTIN_MODEL_NAME
-from loopserve.models.ouro_config import ConfigError
+from loopserve.models.model_config import ConfigError
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 

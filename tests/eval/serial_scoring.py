@@ -13,7 +13,8 @@ import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.eval.early_exit_perplexity import ExitSettings
-from loopserve.models.ouro import LoopContext, OuroForCausalLM
+from loopserve.models.layers import LoopContext
+from loopserve.models.ouro import OuroForCausalLM
 
 
 def _single_query_attention(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loopserve.models.generation_config import SamplingDefaults, read_generation_defaults
-from loopserve.models.ouro_config import ConfigError
+from loopserve.models.model_config import ConfigError
 
 
 def _read(tmp_path: Path, raw: object) -> object:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from loopserve.models.checkpoint_writer import random_state_dict, write_checkpoint
 from loopserve.models.loader import CheckpointError, load_checkpoint
-from loopserve.models.ouro_config import ConfigError
+from loopserve.models.model_config import ConfigError
 from tests.conftest import TINY_CONFIG
 
 

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from loopserve.models.ouro_config import ConfigError, OuroConfig
+from loopserve.models.model_config import ConfigError
+from loopserve.models.ouro_config import OuroConfig
 
 
 def hf_dict(**changes: object) -> dict[str, object]:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from loopserve.models.ouro_config import PRESETS
+from loopserve.models.families import PRESETS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,8 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoint
+    from loopserve.models.families import preset_config
     from loopserve.models.loader import resolve_dtype
-    from loopserve.models.ouro_config import preset_config
 
     if args.output.exists() and any(args.output.iterdir()):
         raise ValueError(f"{args.output} exists and is not empty; choose a new directory")

@@ -1,0 +1,92 @@
+"""The looped families loopserve serves, found from a checkpoint's config.json.
+
+Owns: which `model_type` is which family's config class, reading any checkpoint's config.json as
+its family's config, the families that are known but not served yet (said so by name), and the
+named shapes that `loopserve make-checkpoint`, the benchmarks and the tests write. Must not:
+import torch (the model classes are the loader's business).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loopserve.models.model_config import ConfigError, LoopedConfig, read_config_json
+from loopserve.models.nanbeige_config import NanbeigeConfig
+from loopserve.models.ouro_config import OuroConfig
+
+# model_type -> the family's config class.
+FAMILIES: dict[str, type[LoopedConfig]] = {"ouro": OuroConfig, "nanbeige": NanbeigeConfig}
+# Looped families whose checkpoints loopserve recognises but does not run yet.
+NOT_YET_SERVED = {"huginn_raven": "Huginn-0125 (RavenForCausalLM)"}
+
+
+def config_from_dict(raw: dict[str, Any]) -> LoopedConfig:
+    """The config of the family that `raw["model_type"]` names."""
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        return FAMILIES[model_type].from_dict(raw)
+    served = ", ".join(repr(name) for name in FAMILIES)
+    if model_type in NOT_YET_SERVED:
+        raise ConfigError(
+            f"{NOT_YET_SERVED[model_type]} is a looped family loopserve does not serve yet; it "
+            f"serves model_type {served}"
+        )
+    raise ConfigError(
+        f"model_type is {model_type!r}; loopserve runs the looped families {served} only"
+    )
+
+
+def read_model_config(path: str | Path) -> LoopedConfig:
+    """A checkpoint's config.json as its family's config; errors name the file."""
+    try:
+        return config_from_dict(read_config_json(path))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+# Named shapes: preset -> (family, config.json fields changed from that family's defaults).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ouro-1.4b": ("ouro", {}),
+    "ouro-2.6b": ("ouro", {"num_hidden_layers": 48}),
+    "tiny": (
+        "ouro",
+        {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 176,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 2048,
+        },
+    ),
+    "nanbeige4.2-3b": ("nanbeige", {}),
+    # Nanbeige's head ratio (GQA 6:1, head_dim twice hidden / heads) at a CPU test's size.
+    "nanbeige-tiny": (
+        "nanbeige",
+        {
+            "vocab_size": 512,
+            "hidden_size": 48,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "kv_channels": 16,
+            "max_position_embeddings": 2048,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+}
+
+
+def preset_config(name: str, overrides: dict[str, Any] | None = None) -> LoopedConfig:
+    """The config of a named preset, with HF config.json fields in `overrides` changed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    family, changes = PRESETS[name]
+    base = FAMILIES[family]().to_hf_dict()
+    return config_from_dict(base | changes | (overrides or {}))
