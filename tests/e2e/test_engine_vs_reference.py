@@ -222,8 +222,10 @@ def test_synchronous_scheduling_equals_serial_reference(
 
 @pytest.mark.parametrize(
     ("checkpoint", "mode"),
-    [(4, "ouro"), (4, "ouro_delayed"), (4, "trace"), (3, "ouro"), (2, "ouro"), (2, "trace")]
-    + [("nanbeige", "trace"), ("nanbeige-3-skip", "trace")],
+    [
+        *[(4, "ouro"), (4, "ouro_delayed"), (4, "trace"), (3, "ouro"), (2, "ouro"), (2, "trace")],
+        *[("nanbeige", "trace"), ("nanbeige-3-skip", "trace")],
+    ],
     indirect=["checkpoint"],
 )
 def test_adaptive_modes_really_vary_the_depth(reference, mode: str) -> None:  # type: ignore[no-untyped-def]

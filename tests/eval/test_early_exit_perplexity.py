@@ -7,8 +7,8 @@ import torch
 
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
 from loopserve.models.checkpoint_writer import RandomInit, random_state_dict
-from loopserve.models.ouro import OuroForCausalLM
 from loopserve.models.families import preset_config
+from loopserve.models.ouro import OuroForCausalLM
 from loopserve.reference import SerialReference
 from loopserve.sampling_params import ResolvedParams, SamplingParams
 from tests.eval.serial_scoring import serial_score

@@ -13,8 +13,8 @@ from loopserve.entrypoints.cli import main
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
 from loopserve.eval.perplexity import CurvePoint, curve_settings, evaluate_setting
 from loopserve.models.checkpoint_writer import RandomInit, random_state_dict
-from loopserve.models.ouro import OuroForCausalLM
 from loopserve.models.families import preset_config
+from loopserve.models.ouro import OuroForCausalLM
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from loopserve.models.checkpoint_writer import random_state_dict
-from loopserve.models.ops import RMSNorm, TorchOps, TritonOps
 from loopserve.models.layers import LoopContext
+from loopserve.models.ops import RMSNorm, TorchOps, TritonOps
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.reference import attend
 from tests.conftest import TINY_CONFIG

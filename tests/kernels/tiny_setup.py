@@ -7,9 +7,9 @@ import torch
 
 from loopserve.attention.base import AttentionSpec
 from loopserve.kv.storage import KVStorage
+from loopserve.models.families import preset_config
 from loopserve.models.loader import dummy_model
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.families import preset_config
 from loopserve.runner.block_tables import BlockTables
 
 

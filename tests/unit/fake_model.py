@@ -17,8 +17,8 @@ from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from loopserve.models.ops import TorchOps
 from loopserve.models.layers import LoopContext
+from loopserve.models.ops import TorchOps
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.model_runner import ModelRunner, PendingOutput
 from loopserve.runner.setup import build_runner
