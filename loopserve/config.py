@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from loopserve.depth.policy import ExitMode, Scheduling
-from loopserve.depth.trace import D2_6, check_distribution
+from loopserve.depth.trace import check_distribution
 from loopserve.kv.layout import KVLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -77,10 +77,10 @@ class SchedulerConfig:
         "later; trace: depths given in advance (benchmarks)",
     )
     trace_distribution: tuple[float, ...] = setting(
-        D2_6,
+        (),
         "trace mode: P(depth = 1, 2, ...) for requests that give no depths, at most one per "
         "loop of the model; on the command line they must sum to 1 (in Python they are weights, "
-        "normalized)",
+        "normalized); empty: the model family's default (Ouro: d2.6 = 0.1,0.4,0.3,0.2)",
     )
     kv_layout: KVLayout = setting(
         KVLayout.FULL,
@@ -108,7 +108,8 @@ class SchedulerConfig:
         _coerce_enums(self)
         _check_finite(self)
         object.__setattr__(self, "trace_distribution", tuple(self.trace_distribution))
-        check_distribution(self.trace_distribution)
+        if self.trace_distribution:
+            check_distribution(self.trace_distribution)
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise _invalid(name, "must be at least 1", getattr(self, name))

@@ -50,7 +50,7 @@ def make_requests(
     """`count` requests with random prompts; the same `seed` gives the same requests.
 
     exits "fixed": every generated token runs all `num_loops` loops (given as explicit trace
-    depths, because the `trace` exit mode does not consult `exit_threshold`); "d2.6": no depths
+    depths, because the `trace` exit mode does not consult `exit_threshold`); "trace": no depths
     are given and the engine draws them from its trace distribution with each request's seed.
     """
     generator = np.random.default_rng(list(seed))

@@ -25,7 +25,6 @@ from loopserve.bench.floor import ModelBytes
 from loopserve.bench.sweep_spec import EngineKey
 from loopserve.bench.timed_runner import TimedRunner
 from loopserve.config import EngineConfig
-from loopserve.depth.trace import D2_6
 from loopserve.engine.engine import Engine
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.setup import build_runner
@@ -49,6 +48,7 @@ class EngineSettings:
     gpu_memory_utilization: float  # split evenly between engines that are alive together
     num_kv_pages: int | None  # None: sized from memory
     seed: int
+    trace_distribution: tuple[float, ...] = ()  # the trace exits' (empty: the family's default)
     batch_invariant: bool = False  # the engine setting of that name
     timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
 
@@ -78,7 +78,7 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         max_model_len=settings.max_model_len,
         scheduling=key.scheduling,
         exit_mode="trace",
-        trace_distribution=D2_6,
+        trace_distribution=settings.trace_distribution,
         seed=settings.seed,
         cuda_graphs=key.graphs,
         prefix_caching=key.prefix_caching,

@@ -1,11 +1,11 @@
-"""Offline throughput: the matched closed-loop protocol (docs/benchmarks.md) on random-weight Ouro.
+"""Offline throughput: the matched closed-loop protocol (docs/benchmarks.md) on random weights.
 
 `loopserve bench offline` keeps C requests in flight (2 × C per trial, random prompts, EOS
-ignored), sweeps workloads × concurrency × exits (fixed depth, trace d2.6) × scheduling (refill,
-no_refill) × CUDA graphs, and prints one JSON line per configuration with medians and spread of
-every figure and the ratio to the bandwidth floor, then a markdown summary. `--plot` draws
-throughput vs concurrency; `--ab` alternates the variants trial by trial (A B B A);
-`--preset issue3` runs GPU issue 3's table. See docs/benchmarks.md.
+ignored), sweeps workloads × concurrency × exits (fixed depth; a trace, by default the model
+family's: d2.6 for Ouro) × scheduling (refill, no_refill) × CUDA graphs, and prints one JSON line
+per configuration with medians and spread of every figure and the ratio to the bandwidth floor,
+then a markdown summary. `--plot` draws throughput vs concurrency; `--ab` alternates the variants
+trial by trial (A B B A); `--preset issue3` runs GPU issue 3's table. See docs/benchmarks.md.
 
 Owns: the command line and wiring (plan, checkpoint, calibration, sweep, summary, plot). Must not:
 hold benchmark logic of its own; every piece lives in its module under loopserve.bench.
@@ -98,7 +98,14 @@ def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--concurrency", help="comma list of requests in flight (default 1,8,32,128)"
     )
-    group.add_argument("--exits", help="comma list of fixed, d2.6 (default both)")
+    group.add_argument(
+        "--exits", help="comma list of fixed, trace (d2.6: trace's old name; default both)"
+    )
+    group.add_argument(
+        "--trace-distribution",
+        help="P(depth = 1, 2, ...) of the trace exits, summing to 1 (default: the model "
+        "family's, d2.6 = 0.1,0.4,0.3,0.2 for Ouro)",
+    )
     group.add_argument("--scheduling", help="comma list of refill, no_refill (default both)")
     group.add_argument("--graphs", help="comma list of on, off (default both; CPU: eager only)")
     group.add_argument("--trials", type=int, help="measured trials per configuration (default 3)")
@@ -285,8 +292,12 @@ def _measure(
     )
     _say(f"measuring copy bandwidth and matmul FLOP/s on {device} ...")
     ceilings = measure_ceilings(device, resolve_dtype(dtype_name))
-    base = _base_record(args, device, model)
-    pool = EnginePool(replace(_engine_settings(args, plan, device, model), timed=bool(timeline)))
+    settings = replace(_engine_settings(args, plan, device, model), timed=bool(timeline))
+    # Fixed-depth runs give every token explicit depths; the distribution is the trace's.
+    base = _base_record(args, device, model) | {
+        "trace_distribution": list(settings.trace_distribution)
+    }
+    pool = EnginePool(settings)
     runner = SweepRunner(
         pool,
         ceilings,
@@ -339,8 +350,23 @@ def _engine_settings(
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_pages=args.num_kv_pages,
         seed=args.seed,
+        trace_distribution=_trace_distribution(args, model),
         batch_invariant=args.batch_invariant,
     )
+
+
+def _trace_distribution(args: argparse.Namespace, model: str) -> tuple[float, ...]:
+    """`--trace-distribution`, or the model family's default trace."""
+    from loopserve.depth.trace import check_distribution, resolve_distribution
+    from loopserve.models.builtin import resolve_model_dir
+    from loopserve.models.families import read_model_config
+
+    config = read_model_config(resolve_model_dir(model) / "config.json")
+    given: tuple[float, ...] = ()
+    if args.trace_distribution is not None:
+        given = tuple(float(value) for value in args.trace_distribution.split(","))
+        check_distribution(given, normalized=True)
+    return resolve_distribution(given, config.family, config.num_loops)
 
 
 def _report(

@@ -3,7 +3,7 @@
 Owns: the specs of each preset, their protocol (trials, warm-up) and time budget, and why they
 were chosen. Must not: run anything.
 
-issue3: 512/128 at C ∈ {1, 8, 32, 128} × {fixed, d2.6} × {refill, no_refill} × graphs {on, off},
+issue3: 512/128 at C ∈ {1, 8, 32, 128} × {fixed, trace} × {refill, no_refill} × graphs {on, off},
 plus 1024/128 at C = 1 (fixed, refill) for the TTFT of one 1024-token prompt. Designed to finish
 in about 7 minutes on an H200:
 - graphs on: 3 trials (2 at C = 128, the longest runs: ~1000 steps of 128 rows each);

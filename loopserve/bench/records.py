@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from loopserve.bench.floor import FLOOR_METHOD, Ceilings, ModelBytes, per_token_floor_s
 from loopserve.bench.sweep_spec import RunSpec, Workload
-from loopserve.depth.trace import D2_6
 
 if TYPE_CHECKING:
     from loopserve.bench.engine_pool import BuiltEngine
@@ -35,8 +34,6 @@ def spec_config(spec: RunSpec, *, temperature: float, seed: int) -> Record:
         "num_requests": 2 * point.concurrency,
         "exits": variant.exits,
         "exit_mode": "trace",
-        # Fixed depth is the trace mode with every depth = the model's loop count.
-        "trace_distribution": list(D2_6) if variant.exits == "d2.6" else "all loops",
         "scheduling": variant.scheduling,
         "graphs": variant.graphs,
         "kv_layout": variant.kv_layout,

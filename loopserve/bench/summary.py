@@ -29,7 +29,7 @@ class Pairing:
 
 
 PAIRINGS = (
-    Pairing("exits", "d2.6", "fixed", "trace d2.6 / fixed depth"),
+    Pairing("exits", "trace", "fixed", "trace / fixed depth"),
     Pairing("scheduling", "refill", "no_refill", "refill / no_refill"),
     Pairing("graphs", True, False, "graphs / eager"),
     Pairing("prefix_caching", True, False, "prefix cache on / off"),
@@ -185,14 +185,14 @@ def issue3_targets(results: list[SpecResult]) -> list[str]:
             f"{_number(floor, 2)} ms/token = {_number(None if ratio is None else 100 * ratio)} % "
             f"(whole run with prefill: {_number(_percent(c1.medians['floor_ratio']))} %)"
         )
-    trace = find("512/128", 32, Variant("d2.6", "refill", True, "full"))
+    trace = find("512/128", 32, Variant("trace", "refill", True, "full"))
     fixed = find("512/128", 32, Variant("fixed", "refill", True, "full"))
-    cohort = find("512/128", 32, Variant("d2.6", "no_refill", True, "full"))
+    cohort = find("512/128", 32, Variant("trace", "no_refill", True, "full"))
     if trace is not None and fixed is not None and cohort is not None:
         speedup, over = throughput_ratio(trace, fixed), throughput_ratio(trace, cohort)
         met = speedup is not None and speedup >= 1.4 and over is not None and over > 1.0
         lines.append(
-            f"- {_verdict(met)} C=32 trace d2.6 refill ≥ 1.4× fixed and clearly above no_refill: "
+            f"- {_verdict(met)} C=32 trace refill ≥ 1.4× fixed and clearly above no_refill: "
             f"{_number(speedup, 2)}× fixed, {_number(over, 2)}× no_refill "
             f"(beyond noise: {beyond_noise(trace, cohort)})"
         )

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from loopserve.bench.figures import Figure
 
-EXITS = ("fixed", "d2.6")
+EXITS = ("fixed", "trace")
+# Old names of exits values, still accepted on the command line.
+EXIT_ALIASES = {"d2.6": "trace"}
 SCHEDULINGS = ("refill", "no_refill")
 GRAPHS = ("on", "off")
 KV_LAYOUTS = ("full", "shared")
@@ -64,7 +66,7 @@ class EngineKey:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    exits: str  # "fixed" (every token runs every loop) or "d2.6" (traced exits)
+    exits: str  # "fixed" (every token runs every loop) or "trace" (traced exits)
     scheduling: str  # "refill" or "no_refill"
     graphs: bool  # CUDA graphs on (only meaningful on CUDA)
     kv_layout: str  # "full" or "shared"
@@ -117,6 +119,8 @@ class SpecResult:
 def parse_list(text: str, choices: tuple[str, ...], what: str) -> list[str]:
     """'a,b' -> ['a', 'b'], each checked against `choices`, duplicates dropped, order kept."""
     values = [value.strip() for value in text.split(",") if value.strip()]
+    if choices == EXITS:
+        values = [EXIT_ALIASES.get(value, value) for value in values]
     bad = [value for value in values if value not in choices]
     if bad or not values:
         raise ValueError(f"{what} must be a comma list of {choices}, got {text!r}")

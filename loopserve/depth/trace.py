@@ -15,6 +15,10 @@ from loopserve.sampling_params import ResolvedParams
 
 # The standard distribution "d2.6" of docs/benchmarks.md: P(depth = 1, 2, 3, 4).
 D2_6: tuple[float, ...] = (0.10, 0.40, 0.30, 0.20)
+# Each family's default trace (`trace` mode without a distribution), by `model_type`: Ouro's
+# d2.6; Nanbeige4.2's two loops: d1.6 (no gate exists, so any trace is synthetic: this one has
+# the share of depth-1 exits that makes fixed depth's bound 1.25x).
+FAMILY_TRACES: dict[str, tuple[float, ...]] = {"ouro": D2_6, "nanbeige": (0.4, 0.6)}
 _MASK64 = (1 << 64) - 1
 # How errors name the setting (the engine field and its command-line flag).
 _NAME = "trace_distribution (--trace-distribution)"
@@ -56,6 +60,18 @@ def check_distribution(distribution: Sequence[float], *, normalized: bool = Fals
             f"{_NAME} gives P(depth = 1, 2, ...), which must sum to 1, but {shown} sums to "
             f"{total:g}"
         )
+
+
+def resolve_distribution(
+    distribution: Sequence[float], family: str, num_loops: int
+) -> tuple[float, ...]:
+    """The distribution a `trace` engine uses: the one it was given, or (given none) its model
+    family's default, cut to the model's loops (a model with fewer loops than the default has
+    depths for)."""
+    if distribution:
+        return tuple(distribution)
+    default = FAMILY_TRACES.get(family, (1.0,))[:num_loops]
+    return default if sum(default) > 0 else (1.0,)
 
 
 def fit_model(distribution: Sequence[float], num_loops: int) -> None:

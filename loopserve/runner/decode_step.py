@@ -31,7 +31,7 @@ from loopserve.attention.paged import PagedAttention
 from loopserve.config import SchedulerConfig
 from loopserve.depth import policy
 from loopserve.depth.policy import ExitMode, RowDepth, slot_rule
-from loopserve.depth.trace import trace_depths
+from loopserve.depth.trace import resolve_distribution, trace_depths
 from loopserve.engine.scheduler_output import SlotStart
 from loopserve.kv.layout import KVLayout
 from loopserve.kv.metadata import AttentionMetadata
@@ -88,7 +88,9 @@ class DecodeStep:
         self.layout: KVLayout = config.kv_layout
         self.scheduling = config.scheduling
         self.exit_mode = config.exit_mode
-        self.trace_distribution = config.trace_distribution
+        self.trace_distribution = resolve_distribution(
+            config.trace_distribution, model.config.family, model.config.num_loops
+        )
         self.vocab_size = model.config.vocab_size
         device = self.device = block_tables.device
         slots = config.max_num_seqs

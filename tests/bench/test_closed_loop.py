@@ -43,7 +43,7 @@ def _run(checkpoint: Path, concurrency: int, exits: str, scheduling: str) -> Tri
 
 @pytest.mark.parametrize("concurrency", [1, 2])
 def test_closed_loop_keeps_c_in_flight(tiny_checkpoint: Path, concurrency: int) -> None:
-    record = _run(tiny_checkpoint, concurrency, "d2.6", "refill")
+    record = _run(tiny_checkpoint, concurrency, "trace", "refill")
     assert len(record.requests) == 2 * concurrency
     assert sorted(r.request_id for r in record.requests) == [
         f"t-{index}" for index in range(2 * concurrency)
@@ -63,7 +63,7 @@ def test_closed_loop_keeps_c_in_flight(tiny_checkpoint: Path, concurrency: int) 
 def test_fixed_exits_run_every_loop_and_trace_exits_vary(tiny_checkpoint: Path) -> None:
     fixed = _run(tiny_checkpoint, 2, "fixed", "refill")
     assert {d for r in fixed.requests for d in r.exit_depths} == {TINY_CONFIG.num_loops}
-    traced = _run(tiny_checkpoint, 2, "d2.6", "refill")
+    traced = _run(tiny_checkpoint, 2, "trace", "refill")
     depths = {d for r in traced.requests for d in r.exit_depths[1:]}
     assert depths <= set(range(1, TINY_CONFIG.num_loops + 1)) and len(depths) > 1
     assert all(r.exit_depths[0] == TINY_CONFIG.num_loops for r in traced.requests)
@@ -72,6 +72,6 @@ def test_fixed_exits_run_every_loop_and_trace_exits_vary(tiny_checkpoint: Path) 
 def test_every_scheduling_gets_the_same_trace(tiny_checkpoint: Path) -> None:
     by_mode = {}
     for scheduling in ("refill", "no_refill"):
-        record = _run(tiny_checkpoint, 2, "d2.6", scheduling)
+        record = _run(tiny_checkpoint, 2, "trace", scheduling)
         by_mode[scheduling] = {r.request_id: r.exit_depths for r in record.requests}
     assert by_mode["refill"] == by_mode["no_refill"]

@@ -53,7 +53,7 @@ def _specs(*schedulings: str) -> list[RunSpec]:
     return [
         RunSpec(Variant(exits, scheduling, False, "full"), Point(WORKLOAD, 2), 2, 1)
         for scheduling in schedulings
-        for exits in ("fixed", "d2.6")
+        for exits in ("fixed", "trace")
     ]
 
 

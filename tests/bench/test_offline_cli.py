@@ -43,7 +43,7 @@ def test_sweep_prints_every_figure_summary_and_plot(
         assert record["git_sha"] and record["device"].startswith("cpu")
     results = records[1:]
     assert {(r["config"]["concurrency"], r["config"]["exits"]) for r in results} == {
-        (1, "fixed"), (1, "d2.6"), (2, "fixed"), (2, "d2.6"),
+        (1, "fixed"), (1, "trace"), (2, "fixed"), (2, "trace"),
     }  # fmt: skip
     for result in results:
         config, figures = result["config"], result["figures"]
@@ -56,15 +56,15 @@ def test_sweep_prints_every_figure_summary_and_plot(
     stdout_records = [line for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     assert [json.loads(line) for line in stdout_records] == records
     text = summary.read_text()
-    assert "| 6/4 | 2 | d2.6 | refill | off |" in text
-    assert "### trace d2.6 / fixed depth" in text
+    assert "| 6/4 | 2 | trace | refill | off |" in text
+    assert "### trace / fixed depth" in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_ab_alternates_variants_on_the_same_requests(tiny_checkpoint: Path, tmp_path: Path) -> None:
     code, records = _bench(
         tiny_checkpoint, tmp_path,
-        "--ab", "--concurrency", "2", "--exits", "d2.6", "--scheduling", "refill,no_refill",
+        "--ab", "--concurrency", "2", "--exits", "trace", "--scheduling", "refill,no_refill",
         "--trials", "3",
     )  # fmt: skip
     assert code == 0

@@ -24,7 +24,7 @@ def test_issue3_preset_is_the_issue_table_plus_ttft() -> None:
     keys = {(spec.variant, spec.point) for spec in specs}
     assert len(keys) == len(specs) == 4 * 2 * 2 * 2 + 2
     for concurrency in (1, 8, 32, 128):
-        for exits in ("fixed", "d2.6"):
+        for exits in ("fixed", "trace"):
             for scheduling in ("refill", "no_refill"):
                 for graphs in (True, False):
                     variant = Variant(exits, scheduling, graphs, "full")
@@ -73,7 +73,7 @@ def _result(
 
 
 def test_noise_rule() -> None:
-    a = _result(Variant("d2.6", "refill", True, "full"), 32, (138, 140, 142))
+    a = _result(Variant("trace", "refill", True, "full"), 32, (138, 140, 142))
     b = _result(Variant("fixed", "refill", True, "full"), 32, (99, 100, 101))
     c = _result(Variant("fixed", "refill", True, "full"), 32, (120, 135, 150))
     assert beyond_noise(a, b) == "yes"
@@ -84,9 +84,9 @@ def test_noise_rule() -> None:
 
 def test_summary_ratios_and_issue3_targets() -> None:
     results = [
-        _result(Variant("d2.6", "refill", True, "full"), 32, (138, 140, 142), mean_exit_depth=2.6),
+        _result(Variant("trace", "refill", True, "full"), 32, (138, 140, 142), mean_exit_depth=2.6),
         _result(Variant("fixed", "refill", True, "full"), 32, (99, 100, 101), mean_exit_depth=4.0),
-        _result(Variant("d2.6", "no_refill", True, "full"), 32, (119, 120, 121)),
+        _result(Variant("trace", "no_refill", True, "full"), 32, (119, 120, 121)),
         _result(Variant("fixed", "refill", True, "full"), 1, (320, 322, 324),
                 decode_floor_ms_per_token=2.4, tpot_p50_ms=3.0),
         _result(Variant("fixed", "refill", False, "full"), 1, (99, 100, 101)),
@@ -95,13 +95,13 @@ def test_summary_ratios_and_issue3_targets() -> None:
     ]  # fmt: skip
     text = summary_markdown(results)
     assert "| 512/128 | 32 | refill/graphs | 1.40× | yes | 1.54× | 91 % |" in text
-    assert "| 512/128 | 32 | d2.6/graphs | 1.17× | yes |" in text  # refill / no_refill
+    assert "| 512/128 | 32 | trace/graphs | 1.17× | yes |" in text  # refill / no_refill
     assert "| 512/128 | 1 | fixed/refill | 3.22× | yes |" in text  # graphs / eager
     targets = issue3_targets(results)
     assert len(targets) == 4
     assert targets[0].startswith("- **met** C=1 fixed depth 4")
     assert "decode floor of 2.40 ms/token = 80.0 %" in targets[0]
-    assert targets[1].startswith("- **met** C=32 trace d2.6 refill")
+    assert targets[1].startswith("- **met** C=32 trace refill")
     assert targets[2].startswith("- **met** C=1 graphs ≥ 2.5× eager")
     assert targets[3].startswith("- **missed** TTFT of one 1024-token prompt")
 
@@ -111,7 +111,7 @@ def test_two_layouts_get_their_own_rows_and_ratios() -> None:
     results = [
         _result(Variant(exits, "refill", True, layout), 32, (base, base + 1, base + 2))
         for layout, base in (("full", 100), ("shared", 200))
-        for exits in ("fixed", "d2.6")
+        for exits in ("fixed", "trace")
     ]
     text = summary_markdown(results)
     table = [line for line in text.splitlines() if line.startswith("| 512/128 | 32 | fixed |")]

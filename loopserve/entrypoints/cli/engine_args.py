@@ -44,7 +44,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         for item in config_fields(config_class)
         if item.name != "model" and hasattr(args, item.name)
     }
-    if "trace_distribution" in options:
+    if options.get("trace_distribution"):  # empty: the family default
         check_distribution(options["trace_distribution"], normalized=True)
     return options
 
