@@ -14,10 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from loopserve.models.checkpoint_writer import random_state_dict, write_checkpoint
+from loopserve.models.checkpoint_writer import write_checkpoint
 from loopserve.models.families import config_from_dict
+from tests.real_ouro import scripted_weights, write_chat_tokenizer
 
 NANBEIGE_4_2_3B_CONFIG: dict[str, Any] = {
     "architectures": ["NanbeigeForCausalLM"],
@@ -68,15 +67,18 @@ SCALED_DOWN_NANBEIGE = {
 }
 
 
-def write_nanbeige_checkpoint(directory: Path, full_size: bool = False, seed: int = 0) -> Path:
-    """A random-weight checkpoint whose config.json is the published one (`full_size`) or the
-    published one scaled down, written verbatim over what the writer produced."""
+def write_nanbeige_checkpoint(directory: Path, full_size: bool = False) -> Path:
+    """A checkpoint whose config.json is the published one (`full_size`) or the published one
+    scaled down, verbatim; bf16 weights scripted as `tests.real_ouro`'s (after any token the
+    model writes "Hello", after "Hello" `<|im_end|>`, id 2, the scaled config's eos), with that
+    module's tokenizer and ChatML template (which writes `<think>` when asked)."""
     raw = NANBEIGE_4_2_3B_CONFIG if full_size else NANBEIGE_4_2_3B_CONFIG | SCALED_DOWN_NANBEIGE
+    answer_id = write_chat_tokenizer(directory, eos_token="<|im_end|>")
     config = config_from_dict(raw)
-    dtype = torch.bfloat16 if full_size else torch.float32
-    write_checkpoint(directory, config, random_state_dict(config, seed=seed, dtype=dtype))
-    raw = raw | {"torch_dtype": str(dtype).removeprefix("torch.")}
+    write_checkpoint(directory, config, scripted_weights(config, answer_id))
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    generation = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return directory
 
 

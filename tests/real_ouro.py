@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from loopserve.models.checkpoint_writer import random_state_dict, write_checkpoint
+from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ouro_config import OuroConfig
 
 # Ouro-1.4B's config.json as published (ByteDance/Ouro-1.4B, transformers 4.55.0).
@@ -90,26 +91,33 @@ def write_ouro_like_checkpoint(directory: Path, full_size: bool = False) -> Path
 
     `full_size`: Ouro-1.4B's sizes unchanged (2.9 GB of bf16 weights; the H200 start-up check
     `python -m tests.real_ouro DIR`), with the same scripted weights and small tokenizer."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(SCALED_DOWN["vocab_size"])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "chat_template": CHATML_TEMPLATE,
-        "model_max_length": 131072,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     raw = OURO_1_4B_CONFIG if full_size else OURO_1_4B_CONFIG | SCALED_DOWN
+    answer_id = write_chat_tokenizer(directory, eos_token="<|endoftext|>")
     config = OuroConfig.from_dict(raw)
-    answer_id = tokenizer.token_to_id(ANSWER)
-    assert answer_id is not None, "the tokenizer must hold the answer as one token"
-    write_checkpoint(directory, config, _scripted_weights(config, answer_id))
+    write_checkpoint(directory, config, scripted_weights(config, answer_id))
     # Written over what write_checkpoint wrote: the exact published keys and values.
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     generation = {"bos_token_id": 0, "eos_token_id": 0, "transformers_version": "4.55.0"}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return directory
+
+
+def write_chat_tokenizer(directory: Path, eos_token: str) -> int:
+    """tokenizer.json (byte-level BPE, `SPECIAL_TOKENS` at ids 0, 1, 2) and tokenizer_config.json
+    (the ChatML template) in `directory`; returns the answer's token id."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(SCALED_DOWN["vocab_size"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "bos_token": "<|endoftext|>",
+        "eos_token": eos_token,
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 131072,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    answer_id = tokenizer.token_to_id(ANSWER)
+    assert answer_id is not None, "the tokenizer must hold the answer as one token"
+    return int(answer_id)
 
 
 def _tokenizer(vocab_size: int) -> BackendTokenizer:
@@ -127,9 +135,10 @@ def _tokenizer(vocab_size: int) -> BackendTokenizer:
     return tokenizer
 
 
-def _scripted_weights(config: OuroConfig, answer_id: int) -> dict[str, torch.Tensor]:
-    """Layers that add nothing (zero output projections), an embedding that tells the answer
-    token from every other, and an LM head that maps other -> answer -> <|im_end|>."""
+def scripted_weights(config: LoopedConfig, answer_id: int) -> dict[str, torch.Tensor]:
+    """Any family's weights: layers that add nothing (zero output projections), an embedding
+    that tells the answer token from every other, and an LM head that maps other -> answer ->
+    <|im_end|>."""
     tensors = random_state_dict(config, seed=0, dtype=torch.float32)
     for name in tensors:
         if name.endswith(("o_proj.weight", "down_proj.weight")):

@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,9 +18,9 @@ import torch
 from loopserve import LLM, SamplingParams
 from loopserve.runner.setup import auto_dtype
 from tests.real_ouro import ANSWER, OURO_1_4B_CONFIG, SCALED_DOWN, write_ouro_like_checkpoint
+from tests.served import CLI, environment, serving
 
 IM_END = 2
-CLI = [sys.executable, "-m", "loopserve.entrypoints.cli"]
 CHAT = [{"role": "user", "content": "Say hello."}]
 
 
@@ -40,11 +35,6 @@ def llm(ouro_dir: Path) -> Iterator[LLM]:
     llm = LLM(str(ouro_dir), kv_cache_memory_gb=0.25)
     yield llm
     del llm
-
-
-def _environment() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[2])
-    return os.environ | {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def test_the_checkpoint_is_ouro_1_4b_but_for_the_scaled_sizes(ouro_dir: Path) -> None:
@@ -104,7 +94,7 @@ def test_chat_template_kwargs_reach_the_template(llm: LLM) -> None:
 def test_generate_starts_with_no_engine_flags(ouro_dir: Path) -> None:
     command = [*CLI, "generate", "--model", str(ouro_dir), "--prompt", "Hi", "--json"]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env=_environment(), check=False
+        command, capture_output=True, text=True, timeout=600, env=environment(), check=False
     )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
@@ -114,41 +104,15 @@ def test_generate_starts_with_no_engine_flags(ouro_dir: Path) -> None:
     assert 16 <= int(chosen.group(1)) < 65536
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_serve_starts_with_no_engine_flags_and_chat_ends_at_im_end(ouro_dir: Path) -> None:
     pytest.importorskip("fastapi", reason="serving needs the `serve` extra")
     openai = pytest.importorskip("openai", reason="the chat request goes through the openai client")
-    import httpx
-
-    port = _free_port()
-    command = [*CLI, "serve", "--model", str(ouro_dir), "--port", str(port)]
-    server = subprocess.Popen(
-        command, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.communicate()[0]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    with serving(ouro_dir) as base_url:
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
         (card,) = client.models.list().data
         assert 16 <= card.model_extra["max_model_len"] < 65536
         reply = client.chat.completions.create(model=str(ouro_dir), messages=CHAT)  # type: ignore[arg-type]
         (choice,) = reply.choices
         assert (choice.message.content, choice.finish_reason) == (ANSWER, "stop")
         assert reply.usage is not None and reply.usage.completion_tokens == 2
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.communicate(timeout=60)
