@@ -19,6 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from loopserve.bench.sweep_spec import EXIT_ALIASES
+
 # The configuration fields that identify a comparable record.
 KEY_FIELDS = ("workload", "concurrency", "exits", "scheduling", "graphs", "kv_layout")
 FIGURES = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")
@@ -39,7 +41,10 @@ def read_runs(paths: list[Path]) -> dict[tuple[Any, ...], list[dict[str, float]]
             record = json.loads(line)
             if record.get("record") != "offline" or "figures" not in record:
                 continue
-            key = tuple(record["config"][name] for name in KEY_FIELDS)
+            config = record["config"]
+            # Records written before the trace exits were renamed say "d2.6".
+            config = config | {"exits": EXIT_ALIASES.get(config["exits"], config["exits"])}
+            key = tuple(config[name] for name in KEY_FIELDS)
             runs[key].append(record["figures"])
     return runs
 

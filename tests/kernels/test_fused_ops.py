@@ -46,10 +46,12 @@ def test_norms(dtype: torch.dtype, size: int, device: torch.device) -> None:
     update = torch.randn(7, size).to(device=device, dtype=dtype)
     first, second = norm(size, dtype, device), norm(size, dtype, device)
     close(TritonOps().rms_norm(x, first), TorchOps().rms_norm(x, first))
-    fused = TritonOps().add_norm(update, x, first, second)
-    reference = TorchOps().add_norm(update, x, first, second)
-    close(fused[0], reference[0])
-    close(fused[1], reference[1])
+    for update_norm in (first, None):  # sandwich-norm (Ouro) and pre-norm (Nanbeige) layers
+        fused = TritonOps().add_norm(update, x, update_norm, second)
+        reference = TorchOps().add_norm(update, x, update_norm, second)
+        close(fused[0], reference[0])
+        close(fused[1], reference[1])
+    assert not torch.equal(fused[0], TritonOps().add_norm(update, x, first, second)[0])
 
 
 @pytest.mark.parametrize("head_dim", [16, 40])  # 40: half of it is no power of two

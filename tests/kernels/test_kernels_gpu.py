@@ -33,6 +33,7 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 
 OURO = HeadShape(16, 16, 128, torch.bfloat16)
+NANBEIGE = HeadShape(48, 8, 128, torch.bfloat16)  # Nanbeige4.2-3B: GQA 6:1
 BLOCK = 16
 DECODE_ROWS = [Row(n) for n in (8192, 1, 0, 4097, 16, 2500, 8000, 777, 4096, 33, 0, 6001)]
 PREFILL_ROWS = [
@@ -75,12 +76,23 @@ def _check_against_references(batch: Batch, out: torch.Tensor, shape: HeadShape)
     torch.testing.assert_close(out, expected, **tolerance(shape.dtype))
 
 
-@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
-def test_ouro_shape(rows: list[Row]) -> None:
-    batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=1)
+# Nanbeige's prompts are moderate: the CPU float64 reference of PREFILL_ROWS with 48 heads would
+# take minutes.
+FAMILY_CASES = [
+    (DECODE_ROWS, OURO), (PREFILL_ROWS, OURO), (DECODE_ROWS, NANBEIGE), (MODERATE_ROWS, NANBEIGE),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "shape"),
+    FAMILY_CASES,
+    ids=["ouro-decode", "ouro-prefill", "nanbeige-decode", "nanbeige-prefill"],
+)
+def test_family_shapes(rows: list[Row], shape: HeadShape) -> None:
+    batch = build_batch(rows, shape, DEVICE, block_size=BLOCK, seed=1)
     assert batch.kv.num_pages > 128
-    out = run_backend(_backend(OURO), batch)
-    _check_against_references(batch, out, OURO)
+    out = run_backend(_backend(shape), batch)
+    _check_against_references(batch, out, shape)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ MHA = HeadShape(2, 2, 32, torch.bfloat16)
 MHA_FP32 = HeadShape(2, 2, 32, torch.float32)
 GQA = HeadShape(4, 2, 32, torch.float32)  # group 2
 PADDED = HeadShape(6, 2, 80, torch.float16)  # group 3, head dim padded to 128
+GQA6 = HeadShape(6, 1, 32, torch.bfloat16)  # Nanbeige4.2's group (48 / 8)
 # Tiny partitions so that CPU-sized rows have several, and rows over 64 tokens double them.
 LANES = DecodeTiling(tensor_cores=False, heads_per_program=1, block_n=8, partition_min=16)
 DOTS = DecodeTiling(tensor_cores=True, heads_per_program=16, block_n=16, partition_min=32)
@@ -115,6 +116,7 @@ def assert_matches(out: torch.Tensor, batch: Batch, dtype: torch.dtype) -> None:
 CASES = [(spec, MHA, "lanes") for spec in sorted(DECODE_SPECS)]
 CASES += [(spec, GQA, "dots") for spec in sorted(DECODE_SPECS)]
 CASES += [(spec, PADDED, path) for spec in ("long_rows", "padding_rows") for path in PATHS]
+CASES += [(spec, GQA6, path) for spec in ("mixed_lengths", "planes") for path in PATHS]
 
 
 @pytest.mark.parametrize(

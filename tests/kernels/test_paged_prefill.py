@@ -14,6 +14,7 @@ SHAPES = [
     HeadShape(4, 2, 32, torch.float32),
     HeadShape(2, 2, 32, torch.bfloat16),
     HeadShape(3, 1, 80, torch.float16),  # group 3, padded head dim
+    HeadShape(6, 1, 32, torch.bfloat16),  # group 6 (Nanbeige4.2's 48 / 8)
 ]
 SMALL_TILES = PrefillTiling(block_m=16, block_n=16)  # several query and KV tiles per sequence
 
