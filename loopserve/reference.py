@@ -1,8 +1,10 @@
 """The serial reference: one request at a time, dense per-loop K/V, written to be read.
 
-Owns: the definition-by-code of docs/looped-models.md for both KV layouts and every exit mode. Every
-fast path (the engine, its kernels, the evaluators) is tested against it, and users can run it to
-check the engine on their own checkpoint. Must not: batch, page, or optimise anything.
+Owns: the definition-by-code of docs/looped-models.md for both KV layouts and every exit mode,
+and `spec_logits`, each family's forward written from the spec alone (no model code), which the
+model's own loop is held to. Every fast path (the engine, its kernels, the evaluators) is tested
+against it, and users can run it to check the engine on their own checkpoint. Must not: batch,
+page, or optimise anything.
 
 It shares with the engine only what *defines* the behaviour: the model's math, the fp32 exit test
 (`depth.exit_test`), the seeded sampler and the seeded exit traces. It deliberately does not use
@@ -20,6 +22,7 @@ from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.depth.trace import D2_6, resolved_trace_depth
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import LoopedForCausalLM
+from loopserve.models.model_config import LoopedConfig
 from loopserve.outputs import TokenLogprobs
 from loopserve.sample.sampler import SamplingBatch, sample
 from loopserve.sampling_params import ResolvedParams, SamplingInfo
@@ -235,3 +238,61 @@ def dense_logits(model: LoopedForCausalLM, token_ids: list[int], num_loops: int)
     for _ in range(num_loops):
         hidden = model.run_loop(hidden, LoopContext(cos, sin, attention))
     return model.compute_logits(hidden)
+
+
+def spec_logits(
+    config: LoopedConfig, weights: dict[str, torch.Tensor], token_ids: list[int], num_loops: int
+) -> torch.Tensor:
+    """The fixed-depth forward of any family written from docs/looped-models.md §1 alone: the
+    checkpoint's tensors (HF names), no model code, every op in fp32, no cache. Returns the
+    logits [N, V] of every position; `dense_logits` of the loaded model must agree with it."""
+    w = {name: tensor.float() for name, tensor in weights.items()}
+    eps, heads, kv_heads = (
+        config.rms_norm_eps,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+    )
+    head_dim = config.head_dim
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    positions = torch.arange(len(token_ids), dtype=torch.float32)
+    inverse = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.cat([positions[:, None] * inverse] * 2, dim=-1)  # [N, D]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # rotate-half RoPE of [N, heads, D]
+        half = torch.cat((-x[..., head_dim // 2 :], x[..., : head_dim // 2]), dim=-1)
+        return x * angles.cos()[:, None] + half * angles.sin()[:, None]
+
+    def attention(x: torch.Tensor, prefix: str) -> torch.Tensor:
+        q = (x @ w[f"{prefix}.q_proj.weight"].T).view(len(x), heads, head_dim)
+        k = (x @ w[f"{prefix}.k_proj.weight"].T).view(len(x), kv_heads, head_dim)
+        v = (x @ w[f"{prefix}.v_proj.weight"].T).view(len(x), kv_heads, head_dim)
+        out = attend(rotate(q), rotate(k), v, causal=True)
+        return out.reshape(len(x), heads * head_dim) @ w[f"{prefix}.o_proj.weight"].T
+
+    def mlp(x: torch.Tensor, prefix: str) -> torch.Tensor:
+        gate, up = x @ w[f"{prefix}.gate_proj.weight"].T, x @ w[f"{prefix}.up_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * up) @ w[f"{prefix}.down_proj.weight"].T
+
+    sandwich = config.family == "ouro"  # Ouro: four norms a layer; Nanbeige: pre-norm
+    skip = bool(getattr(config, "skip_loop_final_norm", False))
+    hidden = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    for _ in range(num_loops):
+        for layer in range(config.num_hidden_layers):
+            p = f"model.layers.{layer}"
+            update = attention(norm(hidden, f"{p}.input_layernorm.weight"), f"{p}.self_attn")
+            if sandwich:
+                update = norm(update, f"{p}.input_layernorm_2.weight")
+            hidden = hidden + update
+            update = mlp(norm(hidden, f"{p}.post_attention_layernorm.weight"), f"{p}.mlp")
+            if sandwich:
+                update = norm(update, f"{p}.post_attention_layernorm_2.weight")
+            hidden = hidden + update
+        if not skip:
+            hidden = norm(hidden, "model.norm.weight")
+    if skip:
+        hidden = norm(hidden, "model.norm.weight")
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return hidden @ head.T

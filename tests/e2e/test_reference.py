@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from loopserve.config import EngineConfig
@@ -34,3 +35,32 @@ def test_teacher_forcing_returns_the_forced_tokens(tiny_checkpoint: Path) -> Non
     out = SerialReference(engine.runner.model).generate([1, 2, 3], params, forced_tokens=forced)
     assert out.token_ids == forced and len(out.exit_depths) == 5 and len(out.logits) == 5
     assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        ("tiny", {}),
+        ("tiny", {"tie_word_embeddings": True, "total_ut_steps": 3}),
+        ("nanbeige-tiny", {}),
+        ("nanbeige-tiny", {"num_loops": 3, "skip_loop_final_norm": True}),
+    ],
+)
+def test_every_family_computes_its_spec(preset: str, overrides: dict[str, object]) -> None:
+    """The model's staged forward (what the engine and the serial reference run) equals the
+    family's math written from docs/looped-models.md alone, at every depth."""
+    from loopserve.models.checkpoint_writer import random_state_dict
+    from loopserve.models.families import preset_config
+    from loopserve.models.loader import build_model
+    from loopserve.reference import dense_logits, spec_logits
+
+    config = preset_config(preset, overrides)
+    weights = random_state_dict(config, seed=3)
+    model = build_model(config)
+    model.load_state_dict(weights, strict=not config.tie_word_embeddings)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    tokens = [5, 9, 17, 3, 200, 41, 8]
+    for depth in range(1, config.num_loops + 1):
+        expected = spec_logits(config, weights, tokens, depth)
+        torch.testing.assert_close(dense_logits(model.eval(), tokens, depth), expected)

@@ -95,3 +95,23 @@ def test_max_tokens_below_one_window_says_which_flag_to_change(
     assert main(["eval", "perplexity", "--max-tokens", "64"]) == 2  # the trained window is 512
     error = capsys.readouterr().err
     assert "--max-tokens 64 is less than one window of --seq-len 512" in error
+
+
+@pytest.mark.parametrize("skip_norm", [False, True])
+def test_a_gateless_family_scores_as_the_dense_forward(skip_norm: bool) -> None:
+    """Nanbeige at each fixed depth: the teacher-forced scores are the cache-free forward's."""
+    from loopserve.models.loader import build_model
+    from loopserve.reference import dense_logits
+
+    config = preset_config("nanbeige-tiny", {"num_loops": 3, "skip_loop_final_norm": skip_norm})
+    nanbeige = build_model(config)
+    nanbeige.load_state_dict(random_state_dict(config, seed=4))
+    windows = torch.randint(
+        0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1)
+    )
+    for depth in (1, 3):
+        scores = score_windows(nanbeige.eval(), windows, ExitSettings(1.0, max_loops=depth))
+        logits = dense_logits(nanbeige, windows[0].tolist(), depth)
+        expected = logits.log_softmax(-1)[:-1].gather(1, windows[0, 1:, None]).squeeze(-1)
+        torch.testing.assert_close(scores.logprobs[0], expected, rtol=1e-5, atol=1e-5)
+        assert scores.exit_depths.eq(depth).all()

@@ -170,6 +170,13 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         held_out_fraction=args.held_out_fraction or trained.get("held_out_fraction", 0.05),
         max_files=trained.get("max_files"),
     ).to(device)
+    if not model.config.has_exit_gate and thresholds:
+        print(
+            f"{model.config.family} has no exit gate: exit thresholds do not apply, so only the "
+            "fixed depths are measured",
+            file=sys.stderr,
+        )
+        thresholds = []
     settings = curve_settings(
         model.config.num_loops, thresholds, not args.no_fixed_depths, args.min_loops
     )
