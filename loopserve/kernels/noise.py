@@ -44,7 +44,7 @@ def uniform(row_bits, vocab):
     """The draws of vocab ids `vocab` (int64) for a row hashed by `row_bits`, in (0, 1) fp32."""
     bits = _mix32(row_bits ^ _mul32(vocab, 0x9E3779B1))
     bits = _mix32(bits ^ 0x5BD1E995)
-    return ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sample/noise.py says why
 
 
 @triton.jit

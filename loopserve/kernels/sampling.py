@@ -72,6 +72,8 @@ def _block_max_kernel(
         gumbel = -_log(-_log(uniform(bits, vocab), INTERPRETED), INTERPRETED)
         noisy = tl.math.div_rn(logits, tl.load(temperature_ptr + row)) + gumbel
         values = tl.where(tl.load(greedy_ptr + row) != 0, logits, noisy)
+        # Lanes past the vocabulary never win, whatever their noise (-inf + inf would be NaN).
+        values = tl.where(in_vocab, values, float("-inf"))
     if WRITE_VALUES:  # tests only: what the argmax ran over
         tl.store(values_out + row * vocab_size + vocab, values, mask=in_vocab)
     best, index = _first_max(values, tl.where(in_vocab, vocab, _NO_INDEX))

@@ -39,9 +39,14 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
     row = _mix32(seed_low ^ _mix32(seed_high ^ _mix32(counters & _MASK32)))  # [R]
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32(row[:, None] ^ _mul32(vocab, 0x9E3779B1)[None, :])
-    bits = _mix32(bits ^ 0x5BD1E995)
-    # 24 random bits centred in their interval: never exactly 0 or 1.
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return unit_interval(_mix32(bits ^ 0x5BD1E995))
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> fp32 draws: 23 random bits centred in their interval, in [2**-24,
+    1 - 2**-24] and all exact in fp32, so never 0 or 1 (24 bits centred would round their top
+    value to 1.0: a Gumbel draw of +inf, which picks its token whatever the logits)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -5,10 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from loopserve.kernels.sampling import sample_tokens
 from loopserve.sample.noise import gumbel_noise
 from loopserve.sample.sampler import SamplingBatch, choose_tokens
+from tests.kernels.conftest import ON_GPU
+
+
+@triton.jit
+def _draw_one(row_bits, vocab):  # type: ignore[no-untyped-def]
+    """Every draw 1.0: every Gumbel draw +inf."""
+    return tl.full(vocab.shape, 1.0, tl.float32)
+
+
+# Patching a jit function works where the interpreter looks it up at each call, not compiled.
+triton_interpreter_only = pytest.mark.skipif(ON_GPU, reason="runs in the CPU interpreter only")
 
 
 def _batch(rows: int, device: torch.device, greedy: torch.Tensor) -> SamplingBatch:
@@ -120,3 +133,29 @@ def test_ouro_vocabulary_on_the_gpu(device: torch.device) -> None:
     noise = gumbel_noise(batch.seeds, batch.counters, vocab_size)
     noisy = logits / batch.temperature[:, None] + noise
     assert torch.equal(values, torch.where(batch.greedy[:, None], logits, noisy))
+
+
+def test_uniform_draws_are_inside_the_open_interval() -> None:
+    """Every 32-bit hash gives a draw strictly inside (0, 1), so every Gumbel draw is finite (the
+    extreme hashes included: 24 centred bits once rounded the top one to exactly 1.0)."""
+    from loopserve.sample.noise import unit_interval
+
+    bits = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 1], dtype=torch.int64)
+    draws = unit_interval(bits)
+    assert bool((draws > 0).all() and (draws < 1).all())
+    assert torch.isfinite(-torch.log(-torch.log(draws))).all()
+
+
+@triton_interpreter_only
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # log(0) of the +inf noise, on purpose
+def test_lanes_past_the_vocabulary_never_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vocabulary that does not fill its last block: lanes past it must lose even when their
+    noise is +inf (it once made them NaN, which wins an argmax, and the token 2**62)."""
+    import loopserve.kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "uniform", _draw_one)
+    greedy = torch.tensor([False, False])
+    batch = _batch(2, torch.device("cpu"), greedy)
+    logits = torch.zeros(2, 1500)  # 1500 = one block of 1024 and a partial one
+    tokens = _fused(logits, batch)
+    assert tokens.tolist() == [0, 0]  # every in-vocabulary value is +inf: the first wins
