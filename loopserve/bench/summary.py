@@ -44,7 +44,8 @@ def summary_markdown(results: list[SpecResult]) -> str:
         rows = _ratio_rows(ordered, pairing)
         if rows:
             parts += ["", f"### {pairing.title} (output tok/s)", "", *rows]
-    targets = issue3_targets(ordered)
+    # Issue 3's targets are Ouro-1.4B's (4 loops); other models' runs are not held to them.
+    targets = issue3_targets(ordered) if all(r.num_loops == 4 for r in ordered) else []
     if targets:
         parts += ["", "### GPU issue 3 targets (evaluated, not asserted)", "", *targets]
     return "\n".join(parts) + "\n"
