@@ -85,6 +85,9 @@ def run_closed_loop(
     step = step or engine.step
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine must be idle before a closed loop starts")
+    # Every wave computes its own prompts: a wave of the same requests run before (another
+    # variant's trial on this engine) must not turn its prefill into prefix-cache hits.
+    engine.reset_prefix_cache()
     queue = deque(enumerate(requests))
     before = engine.stats()
     finished: list[RequestRecord] = []

@@ -209,6 +209,12 @@ class Engine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
         )
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block, so later prompts are computed anew (benchmarks
+        between runs that must not share prefills; vLLM's `reset_prefix_cache`). Running
+        requests keep their pages."""
+        self.kv.reset_prefix_cache()
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free what it holds; returns its final output (None if unknown)."""
         request = self.scheduler.abort(request_id)

@@ -184,6 +184,12 @@ class KVCacheManager:
         assert self.cache is not None, "no page left to take"
         return self.cache.evict()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block (its idle pages become free); tables keep their
+        pages."""
+        if self.cache is not None:
+            self._free.extend(self.cache.clear())
+
     def _drop(self, table: list[int]) -> None:
         """One reference less to every page of `table`; unreferenced pages go back."""
         for page in table:

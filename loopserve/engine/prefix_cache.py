@@ -69,6 +69,15 @@ class PrefixCache:
         del self._page_of[self._key_of.pop(page)]
         return page
 
+    def clear(self) -> list[int]:
+        """Forget every cached block; returns the idle pages (now plain free pages). Pages that
+        requests still reference stay theirs, no longer cached."""
+        idle = list(self._idle)
+        self._idle.clear()
+        self._page_of.clear()
+        self._key_of.clear()
+        return idle
+
     def check_invariants(self, referenced: set[int], free: set[int]) -> None:
         assert len(self._page_of) == len(self._key_of), "the cache maps are out of step"
         assert not set(self._idle) & free, "an idle cached page is also on the free list"

@@ -75,3 +75,18 @@ def test_every_scheduling_gets_the_same_trace(tiny_checkpoint: Path) -> None:
         record = _run(tiny_checkpoint, 2, "trace", scheduling)
         by_mode[scheduling] = {r.request_id: r.exit_depths for r in record.requests}
     assert by_mode["refill"] == by_mode["no_refill"]
+
+
+def test_a_wave_never_reuses_the_prefill_of_the_wave_before(tiny_checkpoint: Path) -> None:
+    """The same requests twice on one engine (another variant's trial, say): the second wave
+    computes its prompts again instead of finding them in the prefix cache."""
+    engine = Engine(EngineConfig.from_options(model=str(tiny_checkpoint), num_kv_pages=200))
+    workload = Workload(prompt_len=40, output_len=3)
+    requests = make_requests(
+        workload, 4, seed=(0, 2), vocab_size=TINY_CONFIG.vocab_size,
+        num_loops=TINY_CONFIG.num_loops, exits="fixed", temperature=1.0,
+    )  # fmt: skip
+    first = run_closed_loop(engine, requests, 2, "a")
+    second = run_closed_loop(engine, requests, 2, "b")
+    assert first.counters.prefix_hit_rate == second.counters.prefix_hit_rate == 0.0
+    assert engine.kv.num_cached_pages > 0  # the cache was on, and filled by each wave

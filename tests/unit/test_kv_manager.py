@@ -75,6 +75,25 @@ def test_prefix_pages_are_shared_counted_and_reused_last() -> None:
     assert block_hashes([0, 2, 3, 4], 4) != block_hashes([1, 2, 3, 4], 4)
 
 
+def test_reset_prefix_cache_frees_idle_blocks_and_keeps_tables() -> None:
+    kv = KVCacheManager(num_pages=12, block_size=4)
+    hashes = block_hashes(list(range(8)), 4)
+    for request in ("a", "b"):
+        kv.admit(request, num_planes=1)
+        kv.grow(request, 0, 8)
+        for block, block_hash in enumerate(hashes):
+            kv.register(request, 0, block, block_hash)
+    kv.free("a")  # b's blocks were registered second: a's pages hold the cached blocks
+    assert kv.num_cached_pages == 2 and kv.cached_prefix(hashes, num_planes=1) != []
+    kv.reset_prefix_cache()
+    kv.check_invariants()
+    assert kv.num_cached_pages == 0 and kv.cached_prefix(hashes, num_planes=1) == []
+    assert kv.num_free_pages == 11 - 2 and kv.num_used_pages == 2  # b still holds its pages
+    kv.free("b")
+    kv.check_invariants()
+    assert kv.num_free_pages == 11
+
+
 events = st.lists(
     st.tuples(
         st.sampled_from(["add", "add", "step", "step", "step", "abort"]),
