@@ -65,10 +65,11 @@ def check_distribution(distribution: Sequence[float], *, normalized: bool = Fals
 def resolve_distribution(
     distribution: Sequence[float], family: str, num_loops: int
 ) -> tuple[float, ...]:
-    """The distribution a `trace` engine uses: the one it was given, or (given none) its model
-    family's default, cut to the model's loops (a model with fewer loops than the default has
-    depths for)."""
+    """The distribution a `trace` engine uses: the one it was given, which must fit the model
+    (`fit_model`), or (given none) its model family's default, cut to the model's loops (a model
+    with fewer loops than the default has depths for)."""
     if distribution:
+        fit_model(distribution, num_loops)
         return tuple(distribution)
     default = FAMILY_TRACES.get(family, (1.0,))[:num_loops]
     return default if sum(default) > 0 else (1.0,)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from loopserve.config import EngineConfig
 from loopserve.depth.policy import ExitMode
-from loopserve.depth.trace import fit_model, resolve_distribution
+from loopserve.depth.trace import resolve_distribution
 from loopserve.engine.detokenizer import IncrementalDetokenizer
 from loopserve.engine.end_of_sequence import end_of_sequence
 from loopserve.engine.kv_manager import KVCacheManager
@@ -61,13 +61,10 @@ class Engine:
         self.info: RunnerInfo = self.runner.info
         self.model_config = self.info.model_config
         scheduler_config = config.scheduler
-        if scheduler_config.exit_mode is ExitMode.TRACE:
-            fit_model(
-                resolve_distribution(
-                    scheduler_config.trace_distribution,
-                    self.model_config.family,
-                    self.model_config.num_loops,
-                ),
+        if scheduler_config.exit_mode is ExitMode.TRACE:  # a runner handed in was not checked
+            resolve_distribution(
+                scheduler_config.trace_distribution,
+                self.model_config.family,
                 self.model_config.num_loops,
             )
         model_dir = Path(self.info.model_dir) if self.info.model_dir is not None else None

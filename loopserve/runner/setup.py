@@ -21,6 +21,7 @@ from loopserve.attention.base import AttentionSpec
 from loopserve.attention.registry import select_backend
 from loopserve.config import EngineConfig, KVAllocation, LoadFormat
 from loopserve.depth.policy import ExitMode
+from loopserve.depth.trace import resolve_distribution
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.kernels.availability import triton_installed
 from loopserve.kv.pages import pages_for
@@ -97,6 +98,11 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
             f"{'installed' if use_triton else 'missing'}); leave batch_invariant off here"
         )
     model_config = read_model_config(model_dir / "config.json")
+    scheduler = config.scheduler
+    if scheduler.exit_mode is ExitMode.TRACE:  # the engine says the same, after the weights
+        resolve_distribution(
+            scheduler.trace_distribution, model_config.family, model_config.num_loops
+        )
     limit = model_config.max_position_embeddings
     # kv_budget says the same after the weights; config.json alone can say it before them.
     if config.max_model_len is not None and config.max_model_len > limit:

@@ -1,6 +1,7 @@
 """What config.json and the checkpoint's files can answer is refused before the weights load: a
-max_model_len past max_position_embeddings, and `eval gsm8k` on a checkpoint without
-tokenizer.json (same messages as before, only sooner)."""
+max_model_len past max_position_embeddings, a trace distribution with more depths than the
+model's loops, and `eval gsm8k` on a checkpoint without tokenizer.json (same messages as before,
+only sooner)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def test_max_model_len_past_the_model_is_refused_before_the_weights(
 ) -> None:
     with pytest.raises(ValueError, match=r"^max_model_len 4096 exceeds the model's "):
         LLM(str(tiny_checkpoint), max_model_len=4096, num_kv_pages=64)
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_a_trace_with_more_depths_than_loops_is_refused_before_the_weights(
+    tiny_checkpoint: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"gives 5 depths but the model runs at most 4 loops"):
+        LLM(str(tiny_checkpoint), exit_mode="trace", trace_distribution=(1, 1, 1, 1, 1))
 
 
 @pytest.mark.usefixtures("no_weights")
