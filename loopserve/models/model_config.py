@@ -72,6 +72,13 @@ COMMON_FIELDS = frozenset(
         "eos_token_id",
     }
 )
+# Fields with a value every family's implementation fixes (the field -> the accepted values, the
+# first one the implemented one); a family adds its own.
+COMMON_FIXED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False, None),
+    "mlp_bias": (False, None),
+}
 # The rotary embedding variants loopserve implements (HF `rope_type`; "default" is plain RoPE).
 SUPPORTED_ROPE_TYPES = ("default",)
 # Dtypes a checkpoint may declare for its weights (HF `torch_dtype`, `dtype` in transformers v5).
@@ -205,8 +212,10 @@ def check_fields(
     fixed: dict[str, tuple[Any, ...]],
 ) -> None:
     """Refuse a config.json that is not this family's, asks for values loopserve does not
-    implement (`fixed`: field -> the accepted values, the first one the implemented one), is
-    quantized, or has a field outside `known` | `fixed` | the common and ignored ones."""
+    implement (`fixed` and `COMMON_FIXED_FIELDS`: field -> the accepted values, the first one the
+    implemented one), is quantized, or has a field outside `known` | `fixed` | the common and
+    ignored ones."""
+    fixed = COMMON_FIXED_FIELDS | fixed
     if raw.get("model_type") != model_type:
         raise ConfigError(f"model_type is {raw.get('model_type')!r}, not {model_type!r}")
     architectures = raw.get("architectures") or [architecture]

@@ -23,12 +23,8 @@ from loopserve.models.model_config import (
     common_hf_fields,
 )
 
-_FIXED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "hidden_act": ("silu",),
-    "attention_bias": (False, None),
-    "mlp_bias": (False, None),
-    "pretraining_tp": (1, None),
-}
+# Nanbeige's fields with a value loopserve checks, besides every family's.
+_FIXED_FIELDS: dict[str, tuple[Any, ...]] = {"pretraining_tp": (1, None)}
 # Architecture options loopserve does not implement -> what they do; each must be off (false,
 # null, 0 or empty).
 UNSUPPORTED_OPTIONS = {

@@ -21,12 +21,10 @@ from loopserve.models.model_config import (
     common_hf_fields,
 )
 
-# Fields with a value loopserve checks (the field -> the only accepted values).
+# Ouro's fields with a value loopserve checks, besides every family's (the field -> the accepted
+# values).
 _FIXED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "hidden_act": ("silu",),
     "use_sliding_window": (False, None),
-    "attention_bias": (False, None),
-    "mlp_bias": (False, None),
     "early_exit_step": (None,),
 }
 _OURO_FIELDS = frozenset(
