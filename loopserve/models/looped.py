@@ -1,7 +1,7 @@
 """The staged model interface every looped family implements, and what the families share of it.
 
 Owns: `LoopedForCausalLM`, the model as the engine, the runner, the kernels and the reference
-drive it, one stage at a time (docs/looped-models.md, "The staged interface"):
+drive it, one stage at a time (docs/looped-models.md §1):
 - `embed` — the prelude: token ids -> the recurrent block's first input (once per token);
 - `run_loop` — one pass of the recurrent block over the tokens of a pass, ending in what the next
   loop reads (every family here: the layers, then the final norm unless the family skips it);
@@ -23,7 +23,7 @@ from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ops import ModelOps, RMSNorm, TorchOps
 
 
-class DecoderLayer(Protocol):
+class BlockLayer(Protocol):
     """A layer of the recurrent block; `input_layernorm` is the norm its input gets first."""
 
     input_layernorm: RMSNorm
@@ -78,8 +78,8 @@ class LoopedForCausalLM(nn.Module):
             layer.mlp.fuse_projections()
 
     @property
-    def layers(self) -> list[DecoderLayer]:
-        return cast(list[DecoderLayer], list(self.model.layers))
+    def layers(self) -> list[BlockLayer]:
+        return cast(list[BlockLayer], list(self.model.layers))
 
     @property
     def embedding(self) -> torch.Tensor:
