@@ -17,6 +17,7 @@ from pathlib import Path
 
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
 from loopserve.entrypoints.openai.config import ServerConfig
+from loopserve.entrypoints.reasoning import PARSERS
 from loopserve.models.builtin import BUILTIN_MODEL_NAME
 
 # The environment variable read when --api-key is not given (keeps the key out of `ps`).
@@ -77,6 +78,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument(
         "--chat-template", default=None, help="a Jinja chat template file, overriding the model's"
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=PARSERS,
+        default=defaults.reasoning_parser,
+        help="split chat replies' <think>...</think> into reasoning_content (deepseek_r1); auto: "
+        "when the chat template writes <think> (default: %(default)s)",
     )
     group.add_argument("--uvicorn-log-level", default=defaults.log_level)
     limits = parser.add_argument_group("request limits (a request over one gets a 4xx naming it)")
@@ -212,6 +220,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         shutdown_timeout_s=args.shutdown_timeout,
         chat_template=chat_template,
+        reasoning_parser=args.reasoning_parser,
         log_level=args.uvicorn_log_level,
         **limits,
     )

@@ -37,6 +37,7 @@ from loopserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopserve.entrypoints.openai.responses import ModelCard, ModelList, to_json
 from loopserve.entrypoints.openai.serving_chat import create_chat_completion
 from loopserve.entrypoints.openai.serving_completions import create_completion
+from loopserve.entrypoints.reasoning import splits_reasoning
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Threads for the CPU work of requests (parsing, templates, tokenizing). Few: that work holds the
@@ -61,12 +62,15 @@ def serving_context(engine: Engine, config: ServerConfig) -> ServingContext:
     """
     model = ModelInfo.of(engine)
     metrics = ServerMetrics(model.num_loops)
+    chat_template = load_chat_template(config.chat_template, model.tokenizer)
+    source = chat_template.source if chat_template is not None else None
     return ServingContext(
         config=config,
         model=model,
         engine=EngineThread(engine, metrics),
         metrics=metrics,
-        chat_template=load_chat_template(config.chat_template, model.tokenizer),
+        chat_template=chat_template,
+        splits_reasoning=splits_reasoning(config.reasoning_parser, source),
         logprobs=LogprobFormatter(model.tokenizer),
         started=int(time.time()),
         limits=RequestLimits.resolve(

@@ -44,6 +44,7 @@ class ChatTemplate:
             self._template = environment.from_string(source)
         except TemplateError as error:
             raise ValueError(f"the chat template does not compile: {error}") from None
+        self.source = source  # the template text (the reasoning parser reads what it writes)
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loopserve.entrypoints.reasoning import PARSERS
 from loopserve.sampling_params import MAX_LOGPROBS
 
 
@@ -46,6 +47,9 @@ class ServerConfig:
     shutdown_timeout_s: int = 30
     # Jinja chat template overriding the checkpoint's (the template text itself).
     chat_template: str | None = None
+    # How chat replies split reasoning from the answer (`entrypoints.reasoning.PARSERS`; `auto`:
+    # `deepseek_r1` when the chat template writes `<think>`).
+    reasoning_parser: str = "auto"
     # uvicorn's log level.
     log_level: str = "info"
 
@@ -67,6 +71,8 @@ class ServerConfig:
             raise _invalid("max_logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.max_logprobs)
         if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
             raise _invalid("max_prompt_bytes", "must be at least 1", self.max_prompt_bytes)
+        if self.reasoning_parser not in PARSERS:
+            raise _invalid("reasoning_parser", f"must be one of {PARSERS}", self.reasoning_parser)
         if self.shutdown_timeout_s < 0:
             raise _invalid("shutdown_timeout_s", "must be >= 0 (seconds)", self.shutdown_timeout_s)
 

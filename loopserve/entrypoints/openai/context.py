@@ -63,6 +63,7 @@ class ServingContext:
     engine: EngineThread
     metrics: ServerMetrics
     chat_template: ChatTemplate | None
+    splits_reasoning: bool  # chat replies carry `reasoning_content` apart from `content`
     logprobs: LogprobFormatter
     started: int  # Unix time the server started (the models' `created`)
     limits: RequestLimits

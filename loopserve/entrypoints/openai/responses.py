@@ -68,6 +68,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None  # with a reasoning parser: the text inside <think>
 
 
 class ChatChoice(BaseModel):
@@ -93,6 +94,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

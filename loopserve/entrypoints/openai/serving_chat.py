@@ -50,13 +50,14 @@ from loopserve.entrypoints.openai.serving import (
     respond,
     usage,
 )
+from loopserve.entrypoints.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning
 from loopserve.outputs import RequestOutput, TokenLogprobs
 
 
 async def create_chat_completion(request: Request, context: ServingContext) -> Response:
     body = await read_body(request, context.config.max_request_bytes)
     prepared = await context.off_loop(_prepare, body, context)
-    writer = _ChatWriter(prepared.identity, prepared.plans, prepared.chat, context)
+    writer = _ChatWriter(prepared, context)
     return await respond(request, context.engine, prepared.plans, prepared.chat.stream, writer)
 
 
@@ -65,6 +66,8 @@ class _Prepared:
     identity: ResponseIdentity
     chat: ChatCompletionRequest
     plans: list[ChoicePlan]
+    # With a reasoning parser: whether replies start inside the reasoning; None: no parser.
+    in_reasoning: bool | None
 
 
 def _prepare(body: bytes, context: ServingContext) -> _Prepared:
@@ -77,7 +80,8 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
     limits.check_choices(1, chat.n)
     limits.check_stop(chat.stop_strings, stop_ids(chat, context.model))
     limits.check_logprobs(chat.num_logprobs, "top_logprobs")
-    prompt = _chat_prompt(chat, context)
+    prompt, text = _chat_prompt(chat, context)
+    in_reasoning = opens_reasoning(text) if context.splits_reasoning else None
     options = ChoiceOptions(chat.output_limit, chat.num_logprobs, "messages")
     plans = plan_choices(
         identity.id,
@@ -87,11 +91,11 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
         context.model.max_model_len,
         context.model.sampling_defaults,
     )
-    return _Prepared(identity, chat, plans)
+    return _Prepared(identity, chat, plans, in_reasoning)
 
 
-def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> Prompt:
-    """Render and tokenize, each after checking the size of its input."""
+def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> tuple[Prompt, str]:
+    """Render and tokenize, each after checking the size of its input; (prompt, its text)."""
     if context.chat_template is None:
         raise bad_request(
             "this model has no chat template (no chat_template in its tokenizer_config.json); "
@@ -107,7 +111,7 @@ def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> Prompt
     except ChatTemplateError as error:
         param = "chat_template_kwargs" if "chat_template_kwargs" in str(error) else "messages"
         raise bad_request(str(error), param) from None
-    return tokenize_chat_prompt(text, context.model, context.limits)
+    return tokenize_chat_prompt(text, context.model, context.limits), text
 
 
 def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
@@ -118,27 +122,27 @@ def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
 
 
 class _ChatWriter:
-    def __init__(
-        self,
-        identity: ResponseIdentity,
-        plans: Sequence[ChoicePlan],
-        request: ChatCompletionRequest,
-        context: ServingContext,
-    ) -> None:
-        self._identity = identity
-        self._plans = plans
-        self._request = request
+    def __init__(self, prepared: _Prepared, context: ServingContext) -> None:
+        self._identity = prepared.identity
+        self._plans: Sequence[ChoicePlan] = prepared.plans
+        self._request = prepared.chat
         self._context = context
+        self._in_reasoning = prepared.in_reasoning
+        # Streams: each choice's splitter (a reasoning parser runs).
+        self._splitters: dict[int, ReasoningSplitter] = {}
 
     def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
         with_ids = self._request.return_token_ids
         choices = []
         for plan in self._plans:
             output = outputs[plan.request.request_id].outputs[0]
+            reasoning, content = None, output.text
+            if self._in_reasoning is not None:
+                reasoning, content = split_reasoning(output.text, self._in_reasoning)
             choices.append(
                 ChatChoice(
                     index=plan.index,
-                    message=AssistantMessage(content=output.text),
+                    message=AssistantMessage(content=content, reasoning_content=reasoning),
                     logprobs=self._chat_logprobs(output.logprobs),
                     finish_reason=output.finish_reason,
                     stop_reason=output.stop_reason,
@@ -173,13 +177,24 @@ class _ChatWriter:
     def _chunk_choice(self, plan: ChoicePlan, delta: ChoiceDelta) -> ChatChunkChoice:
         return ChatChunkChoice(
             index=plan.index,
-            delta=ChatDelta(content=delta.text),
+            delta=self._text_delta(plan, delta),
             logprobs=self._chat_logprobs(delta.logprobs),
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
             exit_depths=delta.exit_depths,
             token_ids=delta.token_ids if self._request.return_token_ids else None,
         )
+
+    def _text_delta(self, plan: ChoicePlan, delta: ChoiceDelta) -> ChatDelta:
+        """The delta's text, split into reasoning and content where a reasoning parser runs."""
+        if self._in_reasoning is None:
+            return ChatDelta(content=delta.text)
+        splitter = self._splitters.setdefault(plan.index, ReasoningSplitter(self._in_reasoning))
+        reasoning, content = splitter.feed(delta.text)
+        if delta.finish_reason is not None:
+            held_reasoning, held_content = splitter.finish()
+            reasoning, content = reasoning + held_reasoning, content + held_content
+        return ChatDelta(content=content or None, reasoning_content=reasoning or None)
 
     def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         return self._context.logprobs.chat(entries) if entries is not None else None
