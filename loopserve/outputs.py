@@ -48,6 +48,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # `LLM.chat` with a reasoning parser: `text` split into its <think> part (None: it had none)
+    # and the rest, the tags dropped (docs/server.md, "Reasoning"); None elsewhere.
+    reasoning_content: str | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,8 +22,8 @@ def render_conversations(
     chat_template: str | None,
     template_kwargs: Mapping[str, Any] | None,
     add_generation_prompt: bool,
-) -> tuple[list[str], list[list[int]]]:
-    """The rendered text and token ids of each conversation.
+) -> tuple[list[str], list[list[int]], str]:
+    """The rendered text and token ids of each conversation, and the template's source.
 
     Raises:
         ValueError: no tokenizer or template, jinja2 missing, a malformed message, or the template
@@ -50,7 +50,8 @@ def render_conversations(
             texts.append(template.render(checked, add_generation_prompt, template_kwargs))
         except ValueError as error:
             raise ValueError(f"conversation {index}: {error}") from None
-    return texts, [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    token_ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    return texts, token_ids, template.source
 
 
 def _conversations(

@@ -85,6 +85,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        reasoning_parser: str = "auto",
     ) -> list[RequestOutput]:
         """Answer conversations: each is rendered with the chat template and generated from.
 
@@ -96,6 +97,9 @@ class LLM:
             chat_template: template text overriding the checkpoint's.
             chat_template_kwargs: extra template variables, e.g. {"enable_thinking": True}.
             add_generation_prompt: end the prompt with the header of the assistant's turn.
+            reasoning_parser: as the server's `--reasoning-parser` (auto: `deepseek_r1` when the
+                template writes <think>); with one, each sequence's `reasoning_content` and
+                `content` hold its text split (its `text` stays whole).
         Returns:
             One RequestOutput per conversation; its `prompt` is the rendered text.
         Raises:
@@ -103,18 +107,29 @@ class LLM:
                 from a params' `n`.
         """
         from loopserve.entrypoints.chat_prompts import render_conversations
+        from loopserve.entrypoints.reasoning import (
+            opens_reasoning,
+            split_reasoning,
+            splits_reasoning,
+        )
 
-        texts, token_ids = render_conversations(
+        texts, token_ids, template = render_conversations(
             messages,
             self.tokenizer,
             chat_template,
             chat_template_kwargs,
             add_generation_prompt,
         )
+        split = splits_reasoning(reasoning_parser, template)  # a bad name fails before generating
         params = self._params_list(sampling_params, len(texts))
         outputs = self._generate(list(token_ids), params, n, use_tqdm)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
+            for sequence in output.outputs if split else ():
+                starts = opens_reasoning(text)
+                sequence.reasoning_content, sequence.content = split_reasoning(
+                    sequence.text, starts
+                )
         return outputs
 
     def _params_list(

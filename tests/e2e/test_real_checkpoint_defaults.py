@@ -116,3 +116,16 @@ def test_serve_starts_with_no_engine_flags_and_chat_ends_at_im_end(ouro_dir: Pat
         (choice,) = reply.choices
         assert (choice.message.content, choice.finish_reason) == (ANSWER, "stop")
         assert reply.usage is not None and reply.usage.completion_tokens == 2
+
+
+def test_chat_splits_reasoning_as_the_server_does(llm: LLM) -> None:
+    thinking = {"enable_thinking": True}
+    (inside,) = llm.chat(CHAT, chat_template_kwargs=thinking)
+    sequence = inside.outputs[0]
+    assert (sequence.text, sequence.reasoning_content, sequence.content) == (ANSWER, ANSWER, "")
+    (plain,) = llm.chat(CHAT)
+    assert (plain.outputs[0].reasoning_content, plain.outputs[0].content) == (None, ANSWER)
+    (off,) = llm.chat(CHAT, chat_template_kwargs=thinking, reasoning_parser="none")
+    assert (off.outputs[0].reasoning_content, off.outputs[0].content) == (None, None)
+    with pytest.raises(ValueError, match=r"must be one of auto, deepseek_r1, none"):
+        llm.chat(CHAT, reasoning_parser="qwen9")
