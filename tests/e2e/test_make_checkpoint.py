@@ -22,3 +22,18 @@ def test_the_config_says_the_dtype_that_was_written(tmp_path: Path, dtype: str) 
     assert len(modes) == 1 and len(list(directory.glob("*.safetensors"))) > 1
     model = load_checkpoint(directory, torch.float32, "cpu")
     assert model.config.weights_dtype == dtype
+
+
+def test_a_nanbeige_preset_writes_a_nanbeige_checkpoint(tmp_path: Path) -> None:
+    from loopserve.models.nanbeige import NanbeigeForCausalLM
+
+    directory = tmp_path / "nanbeige"
+    assert main(["make-checkpoint", str(directory), "--preset", "nanbeige-tiny"]) == 0
+    raw = json.loads((directory / "config.json").read_text())
+    assert (raw["model_type"], raw["architectures"], raw["num_loops"]) == (
+        "nanbeige",
+        ["NanbeigeForCausalLM"],
+        2,
+    )
+    model = load_checkpoint(directory, torch.float32, "cpu")
+    assert isinstance(model, NanbeigeForCausalLM) and model.config.num_key_value_heads == 1
