@@ -69,7 +69,7 @@ class ReasoningSplitter:
         if self._in_reasoning:
             end = pending.find(END)
             if end == -1:
-                keep = _partial_tag(pending, END)
+                keep = partial_tag(pending, END)
                 self._held = pending[len(pending) - keep :]
                 return pending[: len(pending) - keep], ""
             reasoning, pending = pending[:end], pending[end + len(END) :]
@@ -83,8 +83,9 @@ class ReasoningSplitter:
         return (held, "") if self._in_reasoning else ("", held)
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`."""
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag` (what a streaming
+    parser holds back; the tool-call parser uses it too)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:length]):
             return length

@@ -99,7 +99,7 @@ def test_bad_completion_requests_are_400(server: RunningServer, body: Any, param
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "tools",
+            "tools.0.function",
         ),
         ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages.0.content"),
         (

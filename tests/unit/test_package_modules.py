@@ -36,7 +36,7 @@ MODULES: dict[str, set[str]] = {
         "__init__", "detokenizer", "end_of_sequence", "engine", "kv_manager", "page_budget",
         "prefix_cache", "runner_api", "scheduler", "scheduler_output", "stats",
     },
-    "entrypoints": {"__init__", "chat_prompts", "llm", "reasoning"},
+    "entrypoints": {"__init__", "chat_prompts", "llm", "reasoning", "tool_calls"},
     "entrypoints/cli": {
         "__init__", "__main__", "bench", "engine_args", "eval", "generate", "make_checkpoint",
         "sampling_args", "serve", "train_tiny",

@@ -18,6 +18,7 @@ from pathlib import Path
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
 from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.entrypoints.reasoning import PARSERS
+from loopserve.entrypoints.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from loopserve.models.builtin import BUILTIN_MODEL_NAME
 
 # The environment variable read when --api-key is not given (keeps the key out of `ps`).
@@ -85,6 +86,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.reasoning_parser,
         help="split chat replies' <think>...</think> into reasoning_content (deepseek_r1); auto: "
         "when the chat template writes <think> (default: %(default)s)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=defaults.tool_call_parser,
+        help="find <tool_call>{json}</tool_call> in chat replies to requests with tools "
+        "(hermes); auto: when the chat template writes <tool_call> (default: %(default)s)",
     )
     group.add_argument("--uvicorn-log-level", default=defaults.log_level)
     limits = parser.add_argument_group("request limits (a request over one gets a 4xx naming it)")
@@ -221,6 +229,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         chat_template=chat_template,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         log_level=args.uvicorn_log_level,
         **limits,
     )

@@ -38,6 +38,7 @@ from loopserve.entrypoints.openai.responses import ModelCard, ModelList, to_json
 from loopserve.entrypoints.openai.serving_chat import create_chat_completion
 from loopserve.entrypoints.openai.serving_completions import create_completion
 from loopserve.entrypoints.reasoning import splits_reasoning
+from loopserve.entrypoints.tool_calls import parses_tool_calls
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Threads for the CPU work of requests (parsing, templates, tokenizing). Few: that work holds the
@@ -71,6 +72,7 @@ def serving_context(engine: Engine, config: ServerConfig) -> ServingContext:
         metrics=metrics,
         chat_template=chat_template,
         splits_reasoning=splits_reasoning(config.reasoning_parser, source),
+        parses_tool_calls=parses_tool_calls(config.tool_call_parser, source),
         logprobs=LogprobFormatter(model.tokenizer),
         started=int(time.time()),
         limits=RequestLimits.resolve(

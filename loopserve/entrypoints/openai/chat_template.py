@@ -24,7 +24,7 @@ from loopserve.tokenizer import Tokenizer
 # Template variables that the renderer sets itself; chat_template_kwargs may not replace them.
 RESERVED_VARIABLES = frozenset(
     {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
-    | {"strftime_now"}
+    | {"strftime_now", "tools"}
 )
 
 
@@ -50,16 +50,20 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text.
 
         Args:
-            messages: `{"role", "content"[, "name"]}` dicts, in order.
+            messages: `{"role", "content"[, "name", "tool_calls", "tool_call_id"]}` dicts, in
+                order.
             add_generation_prompt: end with the header of the assistant's turn.
             template_kwargs: extra template variables (`chat_template_kwargs`).
+            tools: the request's tools (`{"type": "function", "function": {...}}`), as the
+                template's `tools` variable (HF's convention); None: not set.
         Raises:
             ChatTemplateError: the template refused the messages, or a kwarg names a variable the
                 renderer sets.
@@ -71,6 +75,7 @@ class ChatTemplate:
         try:
             return self._template.render(
                 **extra,
+                **({} if tools is None else {"tools": tools}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,

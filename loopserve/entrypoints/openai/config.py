@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loopserve.entrypoints.reasoning import PARSERS
+from loopserve.entrypoints.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from loopserve.sampling_params import MAX_LOGPROBS
 
 
@@ -50,6 +51,9 @@ class ServerConfig:
     # How chat replies split reasoning from the answer (`entrypoints.reasoning.PARSERS`; `auto`:
     # `deepseek_r1` when the chat template writes `<think>`).
     reasoning_parser: str = "auto"
+    # How chat replies' tool calls are found (`entrypoints.tool_calls.PARSERS`; `auto`: `hermes`
+    # when the chat template writes `<tool_call>`).
+    tool_call_parser: str = "auto"
     # uvicorn's log level.
     log_level: str = "info"
 
@@ -73,6 +77,10 @@ class ServerConfig:
             raise _invalid("max_prompt_bytes", "must be at least 1", self.max_prompt_bytes)
         if self.reasoning_parser not in PARSERS:
             raise _invalid("reasoning_parser", f"must be one of {PARSERS}", self.reasoning_parser)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise _invalid(
+                "tool_call_parser", f"must be one of {TOOL_CALL_PARSERS}", self.tool_call_parser
+            )
         if self.shutdown_timeout_s < 0:
             raise _invalid("shutdown_timeout_s", "must be >= 0 (seconds)", self.shutdown_timeout_s)
 

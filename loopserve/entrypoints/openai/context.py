@@ -64,6 +64,7 @@ class ServingContext:
     metrics: ServerMetrics
     chat_template: ChatTemplate | None
     splits_reasoning: bool  # chat replies carry `reasoning_content` apart from `content`
+    parses_tool_calls: bool  # chat replies to requests with tools are parsed for calls
     logprobs: LogprobFormatter
     started: int  # Unix time the server started (the models' `created`)
     limits: RequestLimits

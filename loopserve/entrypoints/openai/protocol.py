@@ -40,7 +40,6 @@ _UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0.0),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "tools": (None, []),
 }
 
 
@@ -165,6 +164,7 @@ class ChatMessage(_Model):
         default=None, validate_default=True
     )
     name: str | None = None
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
 
     @field_validator("content", mode="after")
     @classmethod
@@ -187,6 +187,17 @@ class ChatMessage(_Model):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionSpec(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON schema of the arguments
+
+
+class ToolSpec(_Model):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -196,7 +207,10 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     # Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": true}.
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None
+    tools: Annotated[list[ToolSpec], Field(fail_fast=True)] | None = None
+    # "auto" (the default with tools) or "none"; "required" and a named function need
+    # constrained decoding, which is refused until it exists.
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -205,7 +219,17 @@ class ChatCompletionRequest(GenerationFields):
             raise ValueError("top_logprobs needs logprobs to be true")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("only response_format {'type': 'text'} is supported")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(
+                "tool_choice must be 'auto' or 'none': 'required' and a named function need "
+                "constrained decoding, which this server does not have yet"
+            )
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """The request offers tools and lets the model call them."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def output_limit(self) -> int | None:

@@ -32,7 +32,7 @@ from loopserve.entrypoints.openai.prompts import (
     stop_ids,
     tokenize_chat_prompt,
 )
-from loopserve.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
+from loopserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, parse_request
 from loopserve.entrypoints.openai.responses import (
     AssistantMessage,
     ChatChoice,
@@ -41,6 +41,9 @@ from loopserve.entrypoints.openai.responses import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
     Usage,
     to_json,
 )
@@ -51,6 +54,7 @@ from loopserve.entrypoints.openai.serving import (
     usage,
 )
 from loopserve.entrypoints.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning
+from loopserve.entrypoints.tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 from loopserve.outputs import RequestOutput, TokenLogprobs
 
 
@@ -68,6 +72,7 @@ class _Prepared:
     plans: list[ChoicePlan]
     # With a reasoning parser: whether replies start inside the reasoning; None: no parser.
     in_reasoning: bool | None
+    calls_tools: bool  # replies are parsed for tool calls
 
 
 def _prepare(body: bytes, context: ServingContext) -> _Prepared:
@@ -80,6 +85,12 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
     limits.check_choices(1, chat.n)
     limits.check_stop(chat.stop_strings, stop_ids(chat, context.model))
     limits.check_logprobs(chat.num_logprobs, "top_logprobs")
+    if chat.tools and not context.parses_tool_calls:
+        raise bad_request(
+            "this server parses no tool calls (its chat template writes no <tool_call>, or it "
+            "runs --tool-call-parser none); start it with --tool-call-parser hermes",
+            "tools",
+        )
     prompt, text = _chat_prompt(chat, context)
     in_reasoning = opens_reasoning(text) if context.splits_reasoning else None
     options = ChoiceOptions(chat.output_limit, chat.num_logprobs, "messages")
@@ -91,7 +102,7 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
         context.model.max_model_len,
         context.model.sampling_defaults,
     )
-    return _Prepared(identity, chat, plans, in_reasoning)
+    return _Prepared(identity, chat, plans, in_reasoning, chat.calls_tools)
 
 
 def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> tuple[Prompt, str]:
@@ -102,11 +113,15 @@ def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> tuple[
             "start the server with --chat-template FILE, or use /v1/completions",
             "messages",
         )
-    messages = [_message_dict(item.role, item.text(), item.name) for item in chat.messages]
+    messages = [_message_dict(item) for item in chat.messages]
     context.limits.check_prompt_bytes("".join(item["content"] for item in messages), "messages")
+    tools = [tool.model_dump(exclude_none=True) for tool in chat.tools or ()]
     try:
         text = context.chat_template.render(
-            messages, chat.add_generation_prompt, chat.chat_template_kwargs
+            messages,
+            chat.add_generation_prompt,
+            chat.chat_template_kwargs,
+            tools if chat.calls_tools else None,
         )
     except ChatTemplateError as error:
         param = "chat_template_kwargs" if "chat_template_kwargs" in str(error) else "messages"
@@ -114,10 +129,13 @@ def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> tuple[
     return tokenize_chat_prompt(text, context.model, context.limits), text
 
 
-def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
-    message = {"role": role, "content": content}
-    if name is not None:
-        message["name"] = name
+def _message_dict(item: ChatMessage) -> dict[str, Any]:
+    """A message as the template sees it: role, content, and the fields that are set of `name`,
+    `tool_calls` (an assistant turn that called tools) and `tool_call_id` (a tool's answer)."""
+    message: dict[str, Any] = {"role": item.role, "content": item.text()}
+    for name in ("name", "tool_calls", "tool_call_id"):
+        if getattr(item, name) is not None:
+            message[name] = getattr(item, name)
     return message
 
 
@@ -128,8 +146,11 @@ class _ChatWriter:
         self._request = prepared.chat
         self._context = context
         self._in_reasoning = prepared.in_reasoning
-        # Streams: each choice's splitter (a reasoning parser runs).
+        self._calls_tools = prepared.calls_tools
+        # Streams: each choice's reasoning splitter and tool-call streamer, and its calls so far.
         self._splitters: dict[int, ReasoningSplitter] = {}
+        self._streamers: dict[int, ToolCallStreamer] = {}
+        self._num_calls: dict[int, int] = {}
 
     def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
         with_ids = self._request.return_token_ids
@@ -139,12 +160,20 @@ class _ChatWriter:
             reasoning, content = None, output.text
             if self._in_reasoning is not None:
                 reasoning, content = split_reasoning(output.text, self._in_reasoning)
+            calls: list[ToolCall] = []
+            if self._calls_tools:
+                content, calls = parse_tool_calls(content)
+            message = AssistantMessage(
+                content=content if content or not calls else None,
+                reasoning_content=reasoning,
+                tool_calls=[_tool_call(call) for call in calls] or None,
+            )
             choices.append(
                 ChatChoice(
                     index=plan.index,
-                    message=AssistantMessage(content=content, reasoning_content=reasoning),
+                    message=message,
                     logprobs=self._chat_logprobs(output.logprobs),
-                    finish_reason=output.finish_reason,
+                    finish_reason=_finish_reason(output.finish_reason, bool(calls)),
                     stop_reason=output.stop_reason,
                     exit_depths=output.exit_depths,
                     token_ids=output.token_ids if with_ids else None,
@@ -175,11 +204,13 @@ class _ChatWriter:
             yield self._chunk([], usage_counts=usage(self._plans, num_tokens))
 
     def _chunk_choice(self, plan: ChoicePlan, delta: ChoiceDelta) -> ChatChunkChoice:
+        text_delta = self._text_delta(plan, delta)
+        called = self._num_calls.get(plan.index, 0) > 0
         return ChatChunkChoice(
             index=plan.index,
-            delta=self._text_delta(plan, delta),
+            delta=text_delta,
             logprobs=self._chat_logprobs(delta.logprobs),
-            finish_reason=delta.finish_reason,
+            finish_reason=_finish_reason(delta.finish_reason, called),
             stop_reason=delta.stop_reason,
             exit_depths=delta.exit_depths,
             token_ids=delta.token_ids if self._request.return_token_ids else None,
@@ -187,14 +218,32 @@ class _ChatWriter:
 
     def _text_delta(self, plan: ChoicePlan, delta: ChoiceDelta) -> ChatDelta:
         """The delta's text, split into reasoning and content where a reasoning parser runs."""
-        if self._in_reasoning is None:
+        if self._in_reasoning is None and not self._calls_tools:
             return ChatDelta(content=delta.text)
-        splitter = self._splitters.setdefault(plan.index, ReasoningSplitter(self._in_reasoning))
-        reasoning, content = splitter.feed(delta.text)
-        if delta.finish_reason is not None:
-            held_reasoning, held_content = splitter.finish()
-            reasoning, content = reasoning + held_reasoning, content + held_content
-        return ChatDelta(content=content or None, reasoning_content=reasoning or None)
+        done = delta.finish_reason is not None
+        reasoning, content = "", delta.text
+        if self._in_reasoning is not None:
+            splitter = self._splitters.setdefault(plan.index, ReasoningSplitter(self._in_reasoning))
+            reasoning, content = splitter.feed(delta.text)
+            if done:
+                held_reasoning, held_content = splitter.finish()
+                reasoning, content = reasoning + held_reasoning, content + held_content
+        calls: list[DeltaToolCall] = []
+        if self._calls_tools:
+            streamer = self._streamers.setdefault(plan.index, ToolCallStreamer())
+            content, found = streamer.feed(content)
+            if done:
+                held_content, more = streamer.finish()
+                content, found = content + held_content, found + more
+            first = self._num_calls.get(plan.index, 0)
+            self._num_calls[plan.index] = first + len(found)
+            calls = [
+                DeltaToolCall(index=first + i, **_tool_call(call).model_dump())
+                for i, call in enumerate(found)
+            ]
+        return ChatDelta(
+            content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
+        )
 
     def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         return self._context.logprobs.chat(entries) if entries is not None else None
@@ -210,3 +259,12 @@ class _ChatWriter:
             usage=usage_counts,
         )
         return to_json(chunk)
+
+
+def _tool_call(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` where a reply that made calls ended on its own (not by length)."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -1,0 +1,98 @@
+"""Tool calls in a reply: Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+blocks parsed out of the text, whole or as it streams.
+
+Owns: which parser a server runs (`auto`: `hermes` when the chat template writes `<tool_call>`,
+else `none`), `parse_tool_calls` (a whole reply -> its content and calls) and `ToolCallStreamer`
+(pieces -> content pieces and each call once its block is complete; text that may start a block
+is held back until it cannot, so a stream cut anywhere gives what the whole reply gives). A
+block whose body is not a JSON object with a string `name` stays text. Must not: import torch or
+know about requests (the chat writer feeds it the reply's content).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from loopserve.entrypoints.reasoning import partial_tag
+
+START, END = "<tool_call>", "</tool_call>"
+# `--tool-call-parser` values.
+PARSERS = ("auto", "hermes", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def parses_tool_calls(parser: str, chat_template: str | None) -> bool:
+    """Whether replies are parsed for tool calls, for a parser name and the template's source."""
+    if parser not in PARSERS:
+        raise ValueError(
+            f"tool_call_parser (--tool-call-parser) must be one of {', '.join(PARSERS)}, "
+            f"got {parser!r}"
+        )
+    if parser == "auto":
+        return chat_template is not None and START in chat_template
+    return parser == "hermes"
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """(the text outside complete tool-call blocks, the calls in order) of a whole reply."""
+    streamer = ToolCallStreamer()
+    content, calls = streamer.feed(text)
+    tail, more = streamer.finish()
+    return content + tail, calls + more
+
+
+class ToolCallStreamer:
+    """Splits one reply's content, fed in pieces, into content pieces and tool calls."""
+
+    def __init__(self) -> None:
+        self._held = ""  # text that may be (the start of) a tool-call block
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The content and the complete calls that `text` (the next piece) releases."""
+        pending, self._held = self._held + text, ""
+        content, calls = "", []
+        while pending:
+            start = pending.find(START)
+            if start == -1:
+                keep = partial_tag(pending, START)
+                content += pending[: len(pending) - keep]
+                self._held = pending[len(pending) - keep :]
+                break
+            content += pending[:start]
+            end = pending.find(END, start + len(START))
+            if end == -1:
+                self._held = pending[start:]
+                break
+            block = pending[start : end + len(END)]
+            call = _call(block[len(START) : -len(END)])
+            if call is None:
+                content += block  # not a call: it stays text
+            else:
+                calls.append(call)
+            pending = pending[end + len(END) :]
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What was held back at the end of the reply: a block never closed is text."""
+        held, self._held = self._held, ""
+        return held, []
+
+
+def _call(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(value["name"], text)
