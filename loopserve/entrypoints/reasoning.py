@@ -19,14 +19,20 @@ PARSERS = ("auto", "deepseek_r1", "none")
 
 def splits_reasoning(parser: str, chat_template: str | None) -> bool:
     """Whether replies are split, for a parser name and the chat template's source."""
-    if parser not in PARSERS:
-        raise ValueError(
-            f"reasoning_parser (--reasoning-parser) must be one of {', '.join(PARSERS)}, "
-            f"got {parser!r}"
-        )
+    return parser_runs("reasoning_parser", parser, PARSERS, START, chat_template)
+
+
+def parser_runs(
+    setting: str, parser: str, choices: tuple[str, ...], tag: str, chat_template: str | None
+) -> bool:
+    """Whether a reply parser runs: `choices` are ("auto", the parser, "none"); `auto` runs it
+    when the chat template writes `tag`. The tool-call parser follows the same rule."""
+    if parser not in choices:
+        flag = "--" + setting.replace("_", "-")
+        raise ValueError(f"{setting} ({flag}) must be one of {', '.join(choices)}, got {parser!r}")
     if parser == "auto":
-        return chat_template is not None and START in chat_template
-    return parser == "deepseek_r1"
+        return chat_template is not None and tag in chat_template
+    return parser != "none"
 
 
 def opens_reasoning(prompt: str) -> bool:

@@ -15,7 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from loopserve.entrypoints.reasoning import partial_tag
+from loopserve.entrypoints.reasoning import parser_runs, partial_tag
 
 START, END = "<tool_call>", "</tool_call>"
 # `--tool-call-parser` values.
@@ -31,14 +31,7 @@ class ToolCall:
 
 def parses_tool_calls(parser: str, chat_template: str | None) -> bool:
     """Whether replies are parsed for tool calls, for a parser name and the template's source."""
-    if parser not in PARSERS:
-        raise ValueError(
-            f"tool_call_parser (--tool-call-parser) must be one of {', '.join(PARSERS)}, "
-            f"got {parser!r}"
-        )
-    if parser == "auto":
-        return chat_template is not None and START in chat_template
-    return parser == "hermes"
+    return parser_runs("tool_call_parser", parser, PARSERS, START, chat_template)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:

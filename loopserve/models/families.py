@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loopserve.models.model_config import ConfigError, LoopedConfig, read_config_json
+from loopserve.models.model_config import ConfigError, LoopedConfig, parse_config_file
 from loopserve.models.nanbeige_config import NanbeigeConfig
 from loopserve.models.ouro_config import OuroConfig
 
@@ -39,10 +39,7 @@ def config_from_dict(raw: dict[str, Any]) -> LoopedConfig:
 
 def read_model_config(path: str | Path) -> LoopedConfig:
     """A checkpoint's config.json as its family's config; errors name the file."""
-    try:
-        return config_from_dict(read_config_json(path))
-    except ConfigError as error:
-        raise ConfigError(f"{path}: {error}") from None
+    return parse_config_file(path, config_from_dict)
 
 
 # Named shapes: preset -> (family, config.json fields changed from that family's defaults).

@@ -10,6 +10,7 @@ Must not: import torch, or know a family's own fields (each family's module pars
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -132,10 +133,7 @@ class LoopedConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> LoopedConfig:
-        try:
-            return cls.from_dict(read_config_json(path))
-        except ConfigError as error:
-            raise ConfigError(f"{path}: {error}") from None
+        return parse_config_file(path, cls.from_dict)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content for this config (what a real checkpoint carries)."""
@@ -154,6 +152,16 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return raw
+
+
+def parse_config_file(
+    path: str | Path, parse: Callable[[dict[str, Any]], LoopedConfig]
+) -> LoopedConfig:
+    """`parse` of a config.json's object; every error names the file."""
+    try:
+        return parse(read_config_json(path))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
 
 
 def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -265,10 +273,10 @@ def _rope_type(entry: Any, name: str) -> str:
     return str(rope_type)
 
 
-def rope_theta(raw: dict[str, Any], name: str = "rope_theta") -> float:
-    """RoPE's base from `name` or (transformers v5) `rope_parameters`; the rope type must be one
-    loopserve implements, in `rope_scaling` and `rope_parameters` alike."""
-    theta = raw.get(name)
+def rope_theta(raw: dict[str, Any]) -> float:
+    """RoPE's base from `rope_theta` or (transformers v5) `rope_parameters`; the rope type must be
+    one loopserve implements, in `rope_scaling` and `rope_parameters` alike."""
+    theta = raw.get("rope_theta")
     for entry_name in ("rope_scaling", "rope_parameters"):
         entry = raw.get(entry_name)
         if entry is None:
@@ -277,7 +285,7 @@ def rope_theta(raw: dict[str, Any], name: str = "rope_theta") -> float:
         nested = entry.get("rope_theta")
         if nested is not None and theta is not None and float(nested) != float(theta):
             raise ConfigError(
-                f"config fields '{name}' ({theta}) and '{entry_name}.rope_theta' ({nested}) "
+                f"config fields 'rope_theta' ({theta}) and '{entry_name}.rope_theta' ({nested}) "
                 "disagree"
             )
         theta = theta if nested is None else nested

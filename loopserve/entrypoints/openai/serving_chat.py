@@ -148,9 +148,13 @@ class _ChatWriter:
         self._in_reasoning = prepared.in_reasoning
         self._calls_tools = prepared.calls_tools
         # Streams: each choice's reasoning splitter and tool-call streamer, and its calls so far.
-        self._splitters: dict[int, ReasoningSplitter] = {}
-        self._streamers: dict[int, ToolCallStreamer] = {}
-        self._num_calls: dict[int, int] = {}
+        indices = [plan.index for plan in self._plans]
+        in_reasoning = self._in_reasoning
+        self._splitters = (
+            {} if in_reasoning is None else {i: ReasoningSplitter(in_reasoning) for i in indices}
+        )
+        self._streamers = {i: ToolCallStreamer() for i in indices} if self._calls_tools else {}
+        self._num_calls = dict.fromkeys(indices, 0)
 
     def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
         with_ids = self._request.return_token_ids
@@ -205,7 +209,7 @@ class _ChatWriter:
 
     def _chunk_choice(self, plan: ChoicePlan, delta: ChoiceDelta) -> ChatChunkChoice:
         text_delta = self._text_delta(plan, delta)
-        called = self._num_calls.get(plan.index, 0) > 0
+        called = self._num_calls[plan.index] > 0
         return ChatChunkChoice(
             index=plan.index,
             delta=text_delta,
@@ -223,19 +227,19 @@ class _ChatWriter:
         done = delta.finish_reason is not None
         reasoning, content = "", delta.text
         if self._in_reasoning is not None:
-            splitter = self._splitters.setdefault(plan.index, ReasoningSplitter(self._in_reasoning))
+            splitter = self._splitters[plan.index]
             reasoning, content = splitter.feed(delta.text)
             if done:
                 held_reasoning, held_content = splitter.finish()
                 reasoning, content = reasoning + held_reasoning, content + held_content
         calls: list[DeltaToolCall] = []
         if self._calls_tools:
-            streamer = self._streamers.setdefault(plan.index, ToolCallStreamer())
+            streamer = self._streamers[plan.index]
             content, found = streamer.feed(content)
             if done:
                 held_content, more = streamer.finish()
                 content, found = content + held_content, found + more
-            first = self._num_calls.get(plan.index, 0)
+            first = self._num_calls[plan.index]
             self._num_calls[plan.index] = first + len(found)
             calls = [
                 DeltaToolCall(index=first + i, **_tool_call(call).model_dump())
