@@ -20,8 +20,9 @@ import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.depth.trace import D2_6, resolved_trace_depth
+from loopserve.models.huginn_config import HuginnConfig
 from loopserve.models.layers import LoopContext
-from loopserve.models.looped import LoopedForCausalLM
+from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.models.model_config import LoopedConfig
 from loopserve.outputs import TokenLogprobs
 from loopserve.sample.sampler import SamplingBatch, sample
@@ -105,26 +106,48 @@ class SerialReference:
         """Generate (or, with `forced_tokens`, teacher-force) one request's continuation."""
         layers = self.model.config.num_hidden_layers
         kv = _DenseKV(params.max_loops, layers)
+        # Prelude and coda layers (a family that has them): one version of every token.
+        stages = _DenseKV(1, self.model.num_kv_layers)
         out = ReferenceOutput()
-        hidden = self._prefill(prompt_ids, params.max_loops, kv)
+        readout = self._prefill(prompt_ids, params.max_loops, kv, stages)
         # `shared`: after prefill only the final version of each token is kept.
         final = _DenseKV(1, layers)
         for layer in range(layers):
             final.append(0, layer, *kv.get(params.max_loops - 1, layer))
         depth = params.max_loops
         while True:
-            token = self._coda(hidden, params, out, forced_tokens)
+            token = self._sample(readout, params, out, forced_tokens)
             out.exit_depths.append(depth)
             if self._finished(token, params, out, forced_tokens):
                 return out
             position = len(prompt_ids) + len(out.token_ids) - 1
-            hidden, depth = self._decode(token, position, params, len(out.token_ids) - 1, kv, final)
+            index = len(out.token_ids) - 1
+            readout, depth = self._decode(token, position, params, index, kv, final, stages)
 
-    def _prefill(self, prompt_ids: list[int], num_loops: int, kv: _DenseKV) -> torch.Tensor:
-        """Every prompt token through every loop; loop d writes and reads plane d - 1."""
+    def _stage_context(
+        self, stages: _DenseKV, cos: torch.Tensor, sin: torch.Tensor, causal: bool
+    ) -> LoopContext:
+        """Attention of prelude and coda layers: each token's one version, in stage storage."""
+
+        def attention(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            stages.append(0, layer, k, v)
+            return attend(q, *stages.get(0, layer), causal=causal)
+
+        return LoopContext(cos, sin, attention)
+
+    def _prefill(
+        self, prompt_ids: list[int], num_loops: int, kv: _DenseKV, stages: _DenseKV
+    ) -> torch.Tensor:
+        """Every prompt token through the prelude, every loop (loop d writes and reads plane
+        d - 1) and the coda; returns the LM head's input of the last one [1, H]."""
         ids = torch.tensor(prompt_ids, device=self.device)
-        cos, sin = self.model.rope(torch.arange(len(prompt_ids), device=self.device))
-        hidden = self.model.embed(ids)
+        positions = torch.arange(len(prompt_ids), device=self.device)
+        cos, sin = self.model.rope(positions)
+        stage = self._stage_context(stages, cos, sin, causal=True)
+        seeds = torch.full_like(positions, PROMPT_STATE_SEED)
+        hidden = self.model.start(ids, positions, seeds, stage)
         for loop in range(1, num_loops + 1):
 
             def attention(
@@ -134,7 +157,7 @@ class SerialReference:
                 return attend(q, *kv.get(plane, layer), causal=True)
 
             hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
-        return hidden[-1:]
+        return self.model.coda(hidden, stage)[-1:]
 
     def _decode(
         self,
@@ -144,10 +167,15 @@ class SerialReference:
         decode_index: int,
         kv: _DenseKV,
         final: _DenseKV,
+        stages: _DenseKV,
     ) -> tuple[torch.Tensor, int]:
-        """Run one generated token through loops until it exits; returns (hidden [1, H], depth)."""
-        cos, sin = self.model.rope(torch.tensor([position], device=self.device))
-        hidden = self.model.embed(torch.tensor([token], device=self.device))
+        """Run one generated token through the prelude, loops until it exits, and the coda;
+        returns (the LM head's input [1, H], depth)."""
+        where = torch.tensor([position], device=self.device)
+        cos, sin = self.model.rope(where)
+        stage = self._stage_context(stages, cos, sin, causal=False)
+        seed = torch.tensor([params.seed], device=self.device)
+        hidden = self.model.start(torch.tensor([token], device=self.device), where, seed, stage)
         survival = torch.ones(1, dtype=torch.float32, device=self.device)
         stop_after_this_loop = False
         written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -164,6 +192,7 @@ class SerialReference:
                 keys, values = final.get(0, layer)
                 return attend(q, torch.cat([keys, k]), torch.cat([values, v]), causal=False)
 
+            previous = hidden
             hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
             if loop == params.max_loops:
                 break
@@ -175,7 +204,8 @@ class SerialReference:
                 continue
             if stop_after_this_loop:
                 break
-            survival = next_survival(survival, self.model.exit_probability(hidden))
+            hazard = self.model.exit_probability(hidden, previous, params.exit_threshold)
+            survival = next_survival(survival, hazard)
             test = bool(threshold_reached(survival, loop, params.min_loops, params.exit_threshold))
             if test and self.exit_mode == "ouro":
                 break
@@ -187,16 +217,16 @@ class SerialReference:
                     kv.append(plane, layer, k, v)
             else:
                 final.append(0, layer, k, v)
-        return hidden, loop
+        return self.model.coda(hidden, stage), loop
 
-    def _coda(
+    def _sample(
         self,
-        hidden: torch.Tensor,
+        readout: torch.Tensor,
         params: ResolvedParams,
         out: ReferenceOutput,
         forced_tokens: list[int] | None,
     ) -> int:
-        logits = self.model.compute_logits(hidden)  # [1, V]
+        logits = self.model.head(readout)  # [1, V]
         info = SamplingInfo(params.params, params.seed, len(out.token_ids))
         batch = SamplingBatch.build([info], self.model.config.vocab_size, self.device)
         result = sample(logits, batch)
@@ -229,24 +259,35 @@ class SerialReference:
 def dense_logits(model: LoopedForCausalLM, token_ids: list[int], num_loops: int) -> torch.Tensor:
     """Cache-free full recompute at fixed depth: logits [N, V] of every position."""
     device = model.device
-    cos, sin = model.rope(torch.arange(len(token_ids), device=device))
-    hidden = model.embed(torch.tensor(token_ids, device=device))
+    positions = torch.arange(len(token_ids), device=device)
+    cos, sin = model.rope(positions)
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attend(q, k, v, causal=True)
 
+    context = LoopContext(cos, sin, attention)
+    seeds = torch.full_like(positions, PROMPT_STATE_SEED)
+    hidden = model.start(torch.tensor(token_ids, device=device), positions, seeds, context)
     for _ in range(num_loops):
-        hidden = model.run_loop(hidden, LoopContext(cos, sin, attention))
-    return model.compute_logits(hidden)
+        hidden = model.run_loop(hidden, context)
+    return model.compute_logits(hidden, ctx=context)
 
 
 def spec_logits(
-    config: LoopedConfig, weights: dict[str, torch.Tensor], token_ids: list[int], num_loops: int
+    config: LoopedConfig,
+    weights: dict[str, torch.Tensor],
+    token_ids: list[int],
+    num_loops: int,
+    initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fixed-depth forward of any family written from docs/looped-models.md §1 alone: the
     checkpoint's tensors (HF names), no model code, every op in fp32, no cache. Returns the
-    logits [N, V] of every position; `dense_logits` of the loaded model must agree with it."""
+    logits [N, V] of every position; `dense_logits` of the loaded model must agree with it.
+    Huginn's random initial state [N, H] is an input (`initial_state`: the seeded draw)."""
     w = {name: tensor.float() for name, tensor in weights.items()}
+    if isinstance(config, HuginnConfig):
+        assert initial_state is not None, "Huginn's spec forward needs the initial state"
+        return _huginn_spec_logits(config, w, token_ids, num_loops, initial_state.float())
     eps, heads, kv_heads = (
         config.rms_norm_eps,
         config.num_attention_heads,
@@ -296,3 +337,53 @@ def spec_logits(
         hidden = norm(hidden, "model.norm.weight")
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return hidden @ head.T
+
+
+def _huginn_spec_logits(
+    config: HuginnConfig,
+    w: dict[str, torch.Tensor],
+    token_ids: list[int],
+    num_loops: int,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """Huginn-0125 in the checkpoint's own layout: adjacent-pair RoPE on Wqkv's q and k."""
+    heads, head_dim, eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
+    positions = torch.arange(len(token_ids), dtype=torch.float32)
+    inverse = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = positions[:, None] * inverse  # [N, D/2]: pair i of a head turns at inverse[i]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rotate_pairs(x: torch.Tensor) -> torch.Tensor:  # [N, heads, D], pairs (2i, 2i + 1)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
+
+    def block(x: torch.Tensor, prefix: str) -> torch.Tensor:  # a SandwichBlock
+        normed = norm(x, f"{prefix}.norm_1.weight")
+        qkv = (normed @ w[f"{prefix}.attn.Wqkv.weight"].T).view(len(x), 3, heads, head_dim)
+        q, k, v = qkv.unbind(1)
+        if f"{prefix}.attn.qk_bias" in w:
+            q, k = q + w[f"{prefix}.attn.qk_bias"][0], k + w[f"{prefix}.attn.qk_bias"][1]
+        attended = attend(rotate_pairs(q), rotate_pairs(k), v, causal=True).reshape(len(x), -1)
+        x = norm(x + attended @ w[f"{prefix}.attn.proj.weight"].T, f"{prefix}.norm_2.weight")
+        gate, up = (norm(x, f"{prefix}.norm_3.weight") @ w[f"{prefix}.mlp.fc.weight"].T).chunk(
+            2, -1
+        )
+        update = (torch.nn.functional.silu(gate) * up) @ w[f"{prefix}.mlp.proj.weight"].T
+        return norm(x + update, f"{prefix}.norm_4.weight")
+
+    e = w["transformer.wte.weight"][torch.tensor(token_ids)] * config.embed_scale
+    for index in range(config.prelude_layers):
+        e = block(e, f"transformer.prelude.{index}")
+    for _ in range(num_loops):
+        x = torch.cat([state, e], dim=-1) @ w["transformer.adapter.weight"].T
+        for index in range(config.num_hidden_layers):
+            x = block(x, f"transformer.core_block.{index}")
+        state = x
+    x = norm(state, "transformer.ln_f.weight")
+    for index in range(config.coda_layers):
+        x = block(x, f"transformer.coda.{index}")
+    x = norm(x, "transformer.ln_f.weight")
+    return x @ w.get("lm_head.weight", w["transformer.wte.weight"]).T

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 on one GPU, in one call: the looped families' GPU tests (Nanbeige's engine, kernels
 # and fused ops), then Nanbeige4.2-3B at full size (its published config.json verbatim, random
-# bf16 weights, `python -m tests.published_configs DIR`) through `loopserve generate` and
+# bf16 weights, `python -m tests.published_configs nanbeige DIR`) through `loopserve generate` and
 # `loopserve serve` with no sizing flags, and `loopserve bench offline` 512/128 at C = 1, 32, 128,
 # fixed depth and its default trace (d1.6).
 # Device: carry `.carry/serve` (the server's cp312 wheels; scripts/gpu_serve_rates.sh says how to
@@ -35,7 +35,7 @@ timeout 60 "$PYTHON" -m pytest -q tests/kernels/test_fused_ops.py >>"$OUT/tests.
 say "fused-op tests rc=$? ($(tail -1 "$OUT/tests.log"))"
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
-  "$PYTHON" -m tests.published_configs "$MODEL_DIR" >>"$LOG" 2>&1
+  "$PYTHON" -m tests.published_configs nanbeige "$MODEL_DIR" >>"$LOG" 2>&1
   say "checkpoint written: $(du -sh "$MODEL_DIR" | cut -f1)"
 fi
 

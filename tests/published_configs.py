@@ -6,6 +6,11 @@ reach the model hub; the keys and values are those of Nanbeige/Nanbeige4.2-3B's 
 the `auto_map` of its remote code, `kv_channels`, `loop_loss_weights`, `skip_loop_final_norm`,
 `pretraining_tp`, the bos/eos/pad ids). `SCALED_DOWN_NANBEIGE` keeps its head ratio (GQA 6:1,
 head_dim 128 > hidden / heads) and shrinks what costs CPU time.
+
+Huginn-0125's is, the same way, the file as reproduced from the Raven config class of its official
+code (`raven_config_minimal.py`: every field its constructor sets, with the released values, the
+`auto_map` of its remote code and the special-token ids of its tokenizer). `SCALED_DOWN_HUGINN`
+keeps its stage split (2-4-2), recurrence (32) and head_dim-to-width rule and shrinks the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loopserve.models.checkpoint_writer import write_checkpoint
+import torch
+
+from loopserve.models.checkpoint_writer import random_state_dict, write_checkpoint
 from loopserve.models.families import config_from_dict
 from tests.real_ouro import scripted_weights, write_chat_tokenizer
 
@@ -51,6 +58,72 @@ NANBEIGE_4_2_3B_CONFIG: dict[str, Any] = {
     "eos_token_id": 166101,
     "torch_dtype": "bfloat16",
 }
+HUGINN_0125_CONFIG: dict[str, Any] = {
+    "architectures": ["RavenForCausalLM"],
+    "model_type": "huginn_raven",
+    "auto_map": {
+        "AutoConfig": "raven_config_minimal.RavenConfig",
+        "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM",
+    },
+    "activation_checkpoint_impl": "per-iteration",
+    "architecture_class_name": "RecurrentGPT",
+    "bias": False,
+    "block_class_name": "SandwichBlock",
+    "block_size": 4096,
+    "bos_token_id": 65504,
+    "eos_token_id": 65505,
+    "pad_token_id": 65509,
+    "effective_expected_depth": 132,
+    "head_dim": 96,
+    "init_orthogonal": False,
+    "init_strategy": "takase",
+    "init_values": {
+        "embed_scale": 72.6636084983398,
+        "embedding": 0.008703882797784892,
+        "out_proj": 0.0005356869554443541,
+        "std": 0.008703882797784892,
+    },
+    "injection_type": "linear",
+    "intermediate_size": 17920,
+    "mean_backprop_depth": 8,
+    "mean_recurrence": 32,
+    "mlp_class_name": "GatedMLP",
+    "n_embd": 5280,
+    "n_heads": 55,
+    "n_layers": 8,
+    "n_layers_in_coda": 2,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4,
+    "nonlin_name": "SiLU",
+    "norm_class_name": "RMSNorm_llama",
+    "norm_eps": 1e-06,
+    "num_key_value_heads": 55,
+    "padded_vocab_size": 65536,
+    "padding_multiple": 4096,
+    "qk_bias": True,
+    "rope_base": 50000,
+    "sampling_scheme": "poisson-lognormal-filling",
+    "state_init": "like-init",
+    "tie_embeddings": True,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.44.2",
+    "vocab_size": 65536,
+}
+# CPU-sized: hidden 64 under 4 heads of 16, a 512-token vocabulary, the released stage split.
+SCALED_DOWN_HUGINN: dict[str, Any] = {
+    "n_embd": 64,
+    "n_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "padded_vocab_size": 512,
+    "init_values": {"embed_scale": 8.0, "embedding": 0.079, "out_proj": 0.0049, "std": 0.079},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 # CPU-sized: 2 layers, hidden 96 under 6 query heads of 32 and one KV head, a 512-token vocabulary.
 SCALED_DOWN_NANBEIGE = {
     "vocab_size": 512,
@@ -82,7 +155,24 @@ def write_nanbeige_checkpoint(directory: Path, full_size: bool = False) -> Path:
     return directory
 
 
+def write_huginn_checkpoint(directory: Path, full_size: bool = False) -> Path:
+    """A checkpoint whose config.json is Huginn-0125's (`full_size`) or it scaled down, verbatim,
+    with random bf16 weights under the published tensor names and (scaled down) a ChatML
+    tokenizer."""
+    raw = HUGINN_0125_CONFIG if full_size else HUGINN_0125_CONFIG | SCALED_DOWN_HUGINN
+    config = config_from_dict(raw)
+    if not full_size:
+        write_chat_tokenizer(directory, eos_token="<|im_end|>")
+    write_checkpoint(directory, config, random_state_dict(config, seed=0, dtype=torch.bfloat16))
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    generation = {key: raw[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return directory
+
+
 if __name__ == "__main__":
     import sys
 
-    print(write_nanbeige_checkpoint(Path(sys.argv[1]), full_size=True))
+    family, target = sys.argv[1], Path(sys.argv[2])
+    writers = {"nanbeige": write_nanbeige_checkpoint, "huginn": write_huginn_checkpoint}
+    print(writers[family](target, full_size=True))

@@ -15,10 +15,20 @@ from loopserve.sampling_params import ResolvedParams
 
 # The standard distribution "d2.6" of docs/benchmarks.md: P(depth = 1, 2, 3, 4).
 D2_6: tuple[float, ...] = (0.10, 0.40, 0.30, 0.20)
-# Each family's default trace (`trace` mode without a distribution), by `model_type`: Ouro's
-# d2.6; Nanbeige4.2's two loops: d1.6 (no gate exists, so any trace is synthetic: this one has
-# the share of depth-1 exits that makes fixed depth's bound 1.25x).
-FAMILY_TRACES: dict[str, tuple[float, ...]] = {"ouro": D2_6, "nanbeige": (0.4, 0.6)}
+# Huginn-0125's "d12": depths 1..32 with probabilities falling linearly (P(d) ∝ a - d, a set so
+# that the mean depth is 12, fixed depth's bound 32 / 12 = 2.67x; synthetic, like every trace).
+_HUGINN_SLOPE = 5104 / 144  # sum(d (a - d)) / sum(a - d) = 12 over d = 1..32
+D12: tuple[float, ...] = tuple(
+    (_HUGINN_SLOPE - depth) / (32 * _HUGINN_SLOPE - 528) for depth in range(1, 33)
+)
+# Each family's default trace (`trace` mode without a distribution), by family: Ouro's d2.6;
+# Nanbeige4.2's two loops: d1.6 (no gate exists, so any trace is synthetic: this one has the
+# share of depth-1 exits that makes fixed depth's bound 1.25x); Huginn's d12.
+FAMILY_TRACES: dict[str, tuple[float, ...]] = {
+    "ouro": D2_6,
+    "nanbeige": (0.4, 0.6),
+    "huginn": D12,
+}
 _MASK64 = (1 << 64) - 1
 # How errors name the setting (the engine field and its command-line flag).
 _NAME = "trace_distribution (--trace-distribution)"

@@ -78,7 +78,10 @@ class Engine:
         self.sampling_defaults = _sampling_defaults(config, generation)
         self._default_params = SamplingParams(**self.sampling_defaults.overrides())
         self.kv = KVCacheManager(
-            self.info.num_kv_pages, scheduler_config.block_size, scheduler_config.prefix_caching
+            self.info.num_kv_pages,
+            scheduler_config.block_size,
+            scheduler_config.prefix_caching,
+            last_plane_differs=self.model_config.num_stage_layers > 0,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self._seed_rng = random.Random(config.seed)

@@ -32,7 +32,16 @@ class _RequestPages:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        block_size: int,
+        prefix_caching: bool = True,
+        last_plane_differs: bool = False,
+    ) -> None:
+        """`last_plane_differs`: a request's last plane also holds K/V that its other planes do
+        not (a family's prelude and coda layers), so a cached page of plane p serves only
+        requests for which p is the last plane as well, or only requests for which it is not."""
         if num_pages < 2:
             raise ValueError(
                 f"the KV cache needs at least 2 pages (one is the null page), got {num_pages}"
@@ -42,6 +51,7 @@ class KVCacheManager:
         self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))  # pop(): low ids first
         self._refs: Counter[int] = Counter()
         self.cache = PrefixCache() if prefix_caching else None
+        self._last_plane_differs = last_plane_differs
         self._requests: dict[str, _RequestPages] = {}
         self._total_reserved = 0
         # Pages taken from the pool (free or idle cached) and given back, since start-up; their
@@ -125,7 +135,10 @@ class KVCacheManager:
         if cache is None:
             return found
         for block_hash in hashes:
-            pages = [cache.lookup((block_hash, plane)) for plane in range(num_planes)]
+            pages = [
+                cache.lookup((block_hash, self._cache_plane(plane, num_planes)))
+                for plane in range(num_planes)
+            ]
             if None in pages:
                 break
             found.append([page for page in pages if page is not None])
@@ -146,7 +159,15 @@ class KVCacheManager:
     def register(self, request_id: str, plane: int, block: int, block_hash: bytes) -> None:
         """Block `block` of the request's plane now holds the prompt block `block_hash`."""
         if self.cache is not None:
-            self.cache.insert((block_hash, plane), self._requests[request_id].tables[plane][block])
+            tables = self._requests[request_id].tables
+            key = (block_hash, self._cache_plane(plane, len(tables)))
+            self.cache.insert(key, tables[plane][block])
+
+    def _cache_plane(self, plane: int, num_planes: int) -> int:
+        """The plane part of a prefix-cache key: the plane, or (where the last plane differs)
+        -1 - plane for a request's last plane."""
+        last = self._last_plane_differs and plane == num_planes - 1
+        return -1 - plane if last else plane
 
     def release_plane(self, request_id: str, plane: int) -> None:
         """Drop one plane's pages (the `shared` layout's prompt planes once prefill is done)."""

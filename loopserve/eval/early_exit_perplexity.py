@@ -23,7 +23,7 @@ import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.models.layers import LoopContext
-from loopserve.models.looped import LoopedForCausalLM
+from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.models.window_attention import causal_attention
 
 
@@ -101,6 +101,12 @@ def score_windows(
         raise ValueError(
             f"max_loops {settings.max_loops} exceeds the model's {model.config.num_loops} loops"
         )
+    if model.has_stage_layers and settings.exit_threshold < 1.0:
+        raise ValueError(
+            f"early-exit perplexity is not implemented for {model.config.family}: its coda "
+            "layers attend to earlier positions' coda K/V, which a teacher-forced window has only "
+            "once those positions exited; measure fixed depths (exit threshold 1.0)"
+        )
     batch, seq_len = windows.shape
     device = windows.device
     attention = _FrozenKVAttention(batch, seq_len, model.config.num_hidden_layers)
@@ -110,20 +116,24 @@ def score_windows(
     targets = torch.roll(windows, shifts=-1, dims=1).reshape(-1)  # [T]; the last column is unused
     cos, sin = model.rope(positions)
     ctx = LoopContext(cos=cos, sin=sin, attention=attention)
-    hidden = model.embed(windows.reshape(-1))  # [T, H]
+    # Prelude and coda layers (fixed depth only, see above): plain causal attention over a window.
+    stages = LoopContext(cos=cos, sin=sin, attention=causal_attention(batch, seq_len))
+    seeds = torch.full_like(positions, PROMPT_STATE_SEED)
+    hidden = model.start(windows.reshape(-1), positions, seeds, stages)  # [T, carried]
     survival = torch.ones(batch * seq_len, dtype=torch.float32, device=device)
     logprobs = torch.zeros(batch * seq_len, dtype=torch.float32, device=device)
     depths = torch.zeros(batch * seq_len, dtype=torch.int64, device=device)
     for loop in range(1, settings.max_loops + 1):
-        hidden = model.run_loop(hidden, ctx)
+        previous, hidden = hidden, model.run_loop(hidden, ctx)
         running = attention.running
         if settings.exit_threshold < 1.0 and loop < settings.max_loops:
-            hazard = model.exit_probability(hidden)  # [T] fp32
+            hazard = model.exit_probability(hidden, previous, settings.exit_threshold)  # [T] fp32
             survival = torch.where(running, next_survival(survival, hazard), survival)
         exits = running & _exits_after_loop(loop, survival, is_prompt, settings)
         if exits.any():
             rows = exits.nonzero().squeeze(-1)
-            log_softmax = torch.log_softmax(model.compute_logits(hidden[rows]), dim=-1)  # [R, V]
+            logits = model.compute_logits(hidden[rows], ctx=stages)  # [R, V]
+            log_softmax = torch.log_softmax(logits, dim=-1)
             logprobs[rows] = log_softmax.gather(1, targets[rows, None]).squeeze(-1)
             depths[rows] = loop
         attention.running = running & ~exits

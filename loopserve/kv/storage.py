@@ -55,12 +55,16 @@ class KVStorage:
     def value_cache(self, layer: int) -> torch.Tensor:
         return self.cache[layer, 1]
 
-    def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
-        """Copy K and V of every layer from flat slots `source` [N] to `destination` [N]."""
+    def copy_slots(
+        self, source: torch.Tensor, destination: torch.Tensor, num_layers: int | None = None
+    ) -> None:
+        """Copy K and V of the first `num_layers` layers (default: every layer) from flat slots
+        `source` [N] to `destination` [N]."""
         flat = self.cache.view(
             self.num_layers, 2, self.num_pages * self.block_size, self.num_kv_heads, self.head_dim
         )
-        flat[:, :, destination] = flat[:, :, source]
+        layers = self.num_layers if num_layers is None else num_layers
+        flat[:layers, :, destination] = flat[:layers, :, source]
 
     def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
         """K/V of every layer of `pages` [N] int64: [L, 2, N, block, Nkv, D]."""

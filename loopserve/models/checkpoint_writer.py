@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loopserve.models.loader import INDEX_FILE, SINGLE_FILE, expected_tensors
+from loopserve.models.loader import (
+    EMBEDDING_TENSORS,
+    INDEX_FILE,
+    SINGLE_FILE,
+    expected_tensors,
+    is_norm_weight,
+)
 from loopserve.models.model_config import LoopedConfig
 
 
@@ -50,9 +56,9 @@ def random_state_dict(
     for name, shape in expected_tensors(config).items():
         if name == "model.early_exit_gate.bias":
             tensor = torch.full(shape, init.gate_bias)
-        elif name.endswith("norm.weight"):
+        elif is_norm_weight(name):
             tensor = 1.0 + init.norm_jitter * torch.randn(shape, generator=generator)
-        elif name == "model.embed_tokens.weight":
+        elif name in EMBEDDING_TENSORS:
             tensor = init.embedding_std * torch.randn(shape, generator=generator)
         else:
             scale = init.gate_scale if "early_exit_gate" in name else init.weight_scale

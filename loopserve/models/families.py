@@ -1,9 +1,8 @@
 """The looped families loopserve serves, found from a checkpoint's config.json.
 
 Owns: which `model_type` is which family's config class, reading any checkpoint's config.json as
-its family's config, the families that are known but not served yet (said so by name), and the
-named shapes that `loopserve make-checkpoint`, the benchmarks and the tests write. Must not:
-import torch (the model classes are the loader's business).
+its family's config, and the named shapes that `loopserve make-checkpoint`, the benchmarks and the
+tests write. Must not: import torch (the model classes are the loader's business).
 """
 
 from __future__ import annotations
@@ -11,14 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from loopserve.models.huginn_config import HuginnConfig
 from loopserve.models.model_config import ConfigError, LoopedConfig, parse_config_file
 from loopserve.models.nanbeige_config import NanbeigeConfig
 from loopserve.models.ouro_config import OuroConfig
 
 # model_type -> the family's config class.
-FAMILIES: dict[str, type[LoopedConfig]] = {"ouro": OuroConfig, "nanbeige": NanbeigeConfig}
-# Looped families whose checkpoints loopserve recognises but does not run yet.
-NOT_YET_SERVED = {"huginn_raven": "Huginn-0125 (RavenForCausalLM)"}
+FAMILIES: dict[str, type[LoopedConfig]] = {
+    "ouro": OuroConfig,
+    "nanbeige": NanbeigeConfig,
+    "huginn_raven": HuginnConfig,
+}
 
 
 def config_from_dict(raw: dict[str, Any]) -> LoopedConfig:
@@ -27,11 +29,6 @@ def config_from_dict(raw: dict[str, Any]) -> LoopedConfig:
     if isinstance(model_type, str) and model_type in FAMILIES:
         return FAMILIES[model_type].from_dict(raw)
     served = ", ".join(repr(name) for name in FAMILIES)
-    if model_type in NOT_YET_SERVED:
-        raise ConfigError(
-            f"{NOT_YET_SERVED[model_type]} is a looped family loopserve does not serve yet; it "
-            f"serves model_type {served}"
-        )
     raise ConfigError(
         f"model_type is {model_type!r}; loopserve runs the looped families {served} only"
     )
@@ -73,6 +70,29 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "head_dim": 16,
             "kv_channels": 16,
             "max_position_embeddings": 2048,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+    "huginn-0125": ("huginn_raven", {}),
+    # Huginn's stage split (2-4-2 at full size: 1-2-1 here) and MHA at a CPU test's size.
+    "huginn-tiny": (
+        "huginn_raven",
+        {
+            "vocab_size": 512,
+            "padded_vocab_size": 512,
+            "n_embd": 64,
+            "n_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": 16,
+            "intermediate_size": 128,
+            "n_layers": 4,
+            "n_layers_in_prelude": 1,
+            "n_layers_in_recurrent_block": 2,
+            "n_layers_in_coda": 1,
+            "mean_recurrence": 4,
+            "block_size": 2048,
+            "init_values": {"embed_scale": 8.0, "std": (2 / (5 * 64)) ** 0.5},
             "bos_token_id": 1,
             "eos_token_id": 2,
         },

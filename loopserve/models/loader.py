@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 
 from loopserve.models.families import read_model_config
+from loopserve.models.huginn import HuginnForCausalLM
+from loopserve.models.huginn_config import HuginnConfig
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.model_config import LoopedConfig
 from loopserve.models.nanbeige import NanbeigeForCausalLM
@@ -65,7 +67,19 @@ def build_model(config: LoopedConfig) -> LoopedForCausalLM:
         return OuroForCausalLM(config)
     if isinstance(config, NanbeigeConfig):
         return NanbeigeForCausalLM(config)
+    if isinstance(config, HuginnConfig):
+        return HuginnForCausalLM(config)
     raise ValueError(f"no model class for {type(config).__name__}")
+
+
+# The token embedding's tensor in each family's layout.
+EMBEDDING_TENSORS = frozenset({"model.embed_tokens.weight", "transformer.wte.weight"})
+
+
+def is_norm_weight(name: str) -> bool:
+    """Whether a tensor is an RMSNorm's weight (its module's name says norm, or `ln_f`)."""
+    parts = name.split(".")
+    return parts[-1] == "weight" and len(parts) > 1 and ("norm" in parts[-2] or parts[-2] == "ln_f")
 
 
 def expected_tensors(config: LoopedConfig) -> dict[str, tuple[int, ...]]:
@@ -157,8 +171,7 @@ def _empty_model(
     with torch.device("meta"):
         model = build_model(config)
     model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()
     return model.eval().requires_grad_(False)
 
 
@@ -182,7 +195,8 @@ def load_checkpoint(
         # Tensors are read straight into device memory, one at a time, then cast there.
         with safe_open(path, framework="pt", device=str(device)) as handle:
             for name in names:
-                params[name].copy_(handle.get_tensor(name).to(dtype))
+                tensor = model.load_transform(name, handle.get_tensor(name))
+                params[name].copy_(tensor.to(dtype))
     logger.info("loaded %s (%d tensors, %s)", directory, len(params), dtype)
     return model
 
@@ -194,7 +208,7 @@ def dummy_model(
     model = _empty_model(config, dtype, torch.device(device))
     generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if is_norm_weight(name):
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.zero_()

@@ -123,6 +123,12 @@ class LoopedConfig:
         validate_common(self)
 
     @property
+    def num_stage_layers(self) -> int:
+        """Prelude and coda layers: run once per token, outside the loops (their K/V have one
+        version, kept in a request's last plane)."""
+        return 0
+
+    @property
     def num_query_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 

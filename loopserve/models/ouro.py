@@ -77,8 +77,11 @@ class OuroForCausalLM(LoopedForCausalLM):
         gate = self.model.early_exit_gate
         self._gate_fp32 = (gate.weight.detach().float(), gate.bias.detach().float())
 
-    def exit_probability(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The per-loop exit hazard λ = sigmoid(gate(h)) in fp32. hidden [T, H] -> [T]."""
+    def exit_probability(
+        self, hidden: torch.Tensor, previous: torch.Tensor, threshold: torch.Tensor | float
+    ) -> torch.Tensor:
+        """The per-loop exit hazard λ = sigmoid(gate(h)) in fp32. hidden [T, H] -> [T] (the gate
+        reads only this loop's output)."""
         gate = self.model.early_exit_gate
         weight, bias = self._gate_fp32 or (gate.weight.float(), gate.bias.float())
         return self.ops.exit_hazard(hidden, weight, bias)

@@ -103,7 +103,7 @@ class DecodeStep:
         self.loop = zeros(torch.int64) + 1  # the loop it runs next (1-based)
         self.position, self.token, self.output_count = (zeros(torch.int64) for _ in range(3))
         self.survival = zeros(torch.float32) + 1.0
-        self.hidden = zeros(model.dtype, model.config.hidden_size)
+        self.hidden = zeros(model.dtype, model.carried_size)
         # Per-request settings.
         self.min_loops, self.max_loops = zeros(torch.int64) + 1, zeros(torch.int64) + 1
         self.rule, self.max_tokens = zeros(torch.int64), zeros(torch.int64) + 1
@@ -120,7 +120,7 @@ class DecodeStep:
         self._filter_host = [False] * slots
         # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too.
         self.kernels: DecodeKernels | None = None
-        if fused_kernels:
+        if fused_kernels and model.fused_bookkeeping:
             from loopserve.kernels.decode_state import DecodeKernels
 
             # RoPE rows of every position a page table holds (2 * positions * D values).
@@ -210,16 +210,22 @@ class DecodeStep:
         ran, waiting = policy.runs(active, self.waiting[:rows], self.scheduling)
         row = self._row_depth(rows)
         position = self.position[:rows]
-        hidden = torch.where(
-            (row.loop == 1)[:, None], self.model.embed(self.token[:rows]), self.hidden[:rows]
+        cos, sin = self.model.rope(position)
+        starts = row.loop == 1
+        first = self.model.start(
+            self.token[:rows],
+            position,
+            self.seed[:rows],
+            self._stage_context(ran & starts, row, position, cos, sin),
         )
+        hidden = torch.where(starts[:, None], first, self.hidden[:rows])
         plane = self.layout.decode_plane(row.loop, row.max_loops)
         metadata = self.block_tables.decode_metadata(ran, plane, position, self._host_lengths)
-        cos, sin = self.model.rope(position)
-        out, hazard = self._loop(hidden, cos, sin, metadata)
+        out, hazard = self._loop(hidden, cos, sin, metadata, self.threshold[:rows])
         outcome = policy.after_loop(row, ran, hazard)
         exited = outcome.exited
-        sampled = self._choose(rows, kind, out, exited)
+        coda = self._stage_context(exited, row, position, cos, sin)
+        sampled = self._choose(rows, kind, out, exited, coda)
         if self.layout.copies_on_exit:
             self._copy_on_exit(rows, exited, row, position)
         count = self.output_count[:rows] + exited.long()
@@ -252,7 +258,9 @@ class DecodeStep:
         if self.backend.decode_rotary and self.model.ops.rotary_is_fused_ops:
             # RoPE inside the decode kernel (one launch less a layer), with the ops' own bits.
             metadata = dataclasses.replace(metadata, rope=(start.cos, start.sin))
-        out, hazard = self._loop(start.hidden, start.cos, start.sin, metadata)
+        out, hazard = self._loop(
+            start.hidden, start.cos, start.sin, metadata, self.threshold[:rows]
+        )
         outcome = kernels.decide(start, hazard)
         sampled = self._choose(rows, kind, out, outcome.exited)
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
@@ -274,20 +282,44 @@ class DecodeStep:
         cos: torch.Tensor,
         sin: torch.Tensor,
         metadata: AttentionMetadata,
+        threshold: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The loop itself and the exit hazard λ of every row."""
         attention = PagedAttention(self.backend, self.kv, metadata)
         context = LoopContext(cos, sin, attention, attention_rotates=attention.rotates)
-        out = self.model.run_loop(hidden, context)  # [rows, H]
-        return out, self.model.exit_probability(out)
+        out = self.model.run_loop(hidden, context)  # [rows, carried]
+        return out, self.model.exit_probability(out, hidden, threshold)
+
+    def _stage_context(
+        self,
+        writes: torch.Tensor,
+        row: RowDepth,
+        position: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> LoopContext | None:
+        """Attention of the prelude or coda layers (families that have them): one plane, the
+        request's last (which covers every position in both layouts); only rows in `writes` [R]
+        store their K/V (the prelude's: rows starting a token; the coda's: rows exiting), the
+        others write into the null page and their outputs are not used."""
+        if not self.model.has_stage_layers:
+            return None
+        plane = row.max_loops - 1
+        metadata = self.block_tables.decode_metadata(writes, plane, position, self._host_lengths)
+        return LoopContext(cos, sin, PagedAttention(self.backend, self.kv, metadata))
 
     def _choose(
-        self, rows: int, kind: SamplingKind, out: torch.Tensor, exited: torch.Tensor
+        self,
+        rows: int,
+        kind: SamplingKind,
+        out: torch.Tensor,
+        exited: torch.Tensor,
+        coda: LoopContext | None = None,
     ) -> SampleResult:
         """The next token of every row. Only exiting rows' tokens are used, so only their logits
         are computed (the others are 0, and the fused LM head skips their weights: in a step
         where no row exits, all of them)."""
-        logits = self.model.compute_logits(out, rows=exited)  # [rows, V]
+        logits = self.model.compute_logits(out, rows=exited, ctx=coda)  # [rows, V]
         return sample(logits, self._sampling_batch(rows, kind))
 
     def _row_depth(self, rows: int) -> RowDepth:
@@ -320,7 +352,10 @@ class DecodeStep:
         planes = torch.arange(slots.shape[1], device=self.device)[None, :]
         target = KVLayout.copy_on_exit_target(planes, row.loop[:, None], row.max_loops[:, None])
         destination = torch.where(exited[:, None] & target, slots, NULL_PAGE * block)
-        self.kv.copy_slots(source.reshape(-1), destination.reshape(-1))
+        # The block's layers only: prelude and coda K/V live in the last plane alone.
+        self.kv.copy_slots(
+            source.reshape(-1), destination.reshape(-1), self.model.config.num_hidden_layers
+        )
 
     def _sampling_batch(self, rows: int, kind: SamplingKind) -> SamplingBatch:
         return SamplingBatch(

@@ -48,18 +48,19 @@ def profile_step_peak(model: LoopedForCausalLM, config: EngineConfig, device: to
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     tokens = config.scheduler.max_num_batched_tokens
-    hidden = torch.randn(tokens, model.config.hidden_size, dtype=model.dtype, device=device)
+    hidden = torch.randn(tokens, model.carried_size, dtype=model.dtype, device=device)
     cos, sin = model.rope(torch.arange(tokens, device=device))
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return causal_attention(q, k, v, q.shape[-1] ** -0.5)
 
-    hidden = model.run_loop(hidden, LoopContext(cos, sin, attention))
+    context = LoopContext(cos, sin, attention)
+    hidden = model.run_loop(hidden, context)
     rows = config.scheduler.max_num_seqs
     params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)
     infos = [SamplingInfo(params, 0, 0)] * rows
     batch = SamplingBatch.build(infos, model.config.vocab_size, device)
-    sample(model.compute_logits(hidden[:rows]), batch)
+    sample(model.compute_logits(hidden[:rows], ctx=context), batch)
     torch.cuda.synchronize(device)
     return int(torch.cuda.max_memory_allocated(device) - base)
 

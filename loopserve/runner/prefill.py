@@ -2,13 +2,15 @@
 
 Owns: running a step's prompt chunks (one packed pass per loop, each loop d writing and reading
 plane d - 1 as `kv.layout` says; a CUDA graph replay per loop where `prompt_graphs` has one that
-fits) and sampling the first output token of the chunks that complete a prompt. Must not:
-schedule anything; it runs exactly the chunks it is given.
+fits), the prelude before the loops and the coda after them (their layers' K/V, for a family
+that has such layers, in each request's last plane), and sampling the first output token of the
+chunks that complete a prompt. Must not: schedule anything; it runs exactly the chunks it is
+given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
@@ -20,7 +22,7 @@ from loopserve.kv.layout import KVLayout
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
 from loopserve.models.layers import LoopContext
-from loopserve.models.looped import LoopedForCausalLM
+from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.runner.block_tables import BlockTables, PromptPass
 from loopserve.runner.prompt_graphs import GraphedPromptLoop
@@ -51,7 +53,14 @@ class PromptRunner:
             [p for chunk in chunks for p in range(chunk.start, chunk.start + len(chunk.token_ids))]
         )
         cos, sin = self.model.rope(positions)
-        hidden = self.model.embed(token_ids)  # [T, H]
+        seeds = torch.full_like(positions, PROMPT_STATE_SEED)
+
+        def prelude(tokens: torch.Tensor | None, ctx: LoopContext | None) -> torch.Tensor:
+            if tokens is None:
+                return self.model.start(token_ids, positions, seeds, ctx)
+            return self.model.start(token_ids[tokens], positions[tokens], seeds[tokens], ctx)
+
+        hidden = self._by_last_plane(chunks, query_start, positions, cos, sin, prelude)
         for loop in range(1, max(chunk.num_loops for chunk in chunks) + 1):
             # The chunks still running (requests with fewer loops are done).
             active = [index for index, chunk in enumerate(chunks) if chunk.num_loops >= loop]
@@ -64,10 +73,16 @@ class PromptRunner:
             hidden = hidden.clone()
             hidden[tokens] = self._run_loop(hidden[tokens], cos[tokens], sin[tokens], prompt)
         finishing = [index for index, chunk in enumerate(chunks) if chunk.completes_prompt]
+        last = [query_start[index + 1] - 1 for index in finishing]
+
+        # The coda runs on every prompt token: later tokens' coda layers read their K/V.
+        def coda(tokens: torch.Tensor | None, ctx: LoopContext | None) -> torch.Tensor:
+            return self.model.coda(hidden if tokens is None else hidden[tokens], ctx)
+
+        readout = self._by_last_plane(chunks, query_start, positions, cos, sin, coda)[last]
         results: list[SampledToken | None] = [None] * len(chunks)
         if finishing:
-            last = [query_start[index + 1] - 1 for index in finishing]
-            logits = self.model.compute_logits(hidden[last])
+            logits = self.model.head(readout)
             infos = [chunks[index].sampling for index in finishing]
             batch = SamplingBatch.build(infos, self.model.config.vocab_size, self.device)
             for row, token in zip(
@@ -75,6 +90,45 @@ class PromptRunner:
             ):
                 results[row] = token
         return results
+
+    def _by_last_plane(
+        self,
+        chunks: list[PrefillChunk],
+        query_start: list[int],
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        stage: Callable[[torch.Tensor | None, LoopContext | None], torch.Tensor],
+    ) -> torch.Tensor:
+        """`stage` (the prelude or the coda) over every token of the chunks, its layers' K/V in
+        each request's last plane (one pass per distinct loop count): stage(tokens, ctx) gets
+        the indices of a pass's tokens (None: all of them) and their attention (None for
+        families without prelude and coda layers)."""
+        if not self.model.has_stage_layers:
+            return stage(None, None)
+        groups: dict[int, list[int]] = {}
+        for index, chunk in enumerate(chunks):
+            groups.setdefault(chunk.num_loops, []).append(index)
+        outputs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for loops, members in groups.items():
+            every = len(members) == len(chunks)
+            tokens = (
+                None
+                if every
+                else self._long([t for i in members for t in range(*query_start[i : i + 2])])
+            )
+            picked = positions if tokens is None else positions[tokens]
+            prompt = self._pass(chunks, members, loops, picked)
+            metadata = self.block_tables.prefill_metadata(prompt)
+            attention = PagedAttention(self.backend, self.kv, metadata)
+            rows = slice(None) if tokens is None else tokens
+            outputs.append((tokens, stage(tokens, LoopContext(cos[rows], sin[rows], attention))))
+        if outputs[0][0] is None:
+            return outputs[0][1]
+        result = outputs[0][1].new_empty((positions.shape[0], outputs[0][1].shape[1]))
+        for tokens, output in outputs:
+            result[tokens] = output
+        return result
 
     def _pass(
         self,

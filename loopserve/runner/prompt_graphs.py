@@ -60,7 +60,7 @@ class GraphedPromptLoop:
         self.capture = device.type == "cuda"
         self._metadata = block_tables.static_prefill_metadata(max_sequences, self.max_tokens)
         tokens, dtype = self.max_tokens, model.dtype
-        self._hidden = torch.zeros((tokens, config.hidden_size), dtype=dtype, device=device)
+        self._hidden = torch.zeros((tokens, model.carried_size), dtype=dtype, device=device)
         self._cos = torch.zeros((tokens, config.head_dim), dtype=dtype, device=device)
         self._sin = torch.zeros_like(self._cos)
         # Output of each graph: [bucket, H] the loop's output.

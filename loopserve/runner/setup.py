@@ -139,7 +139,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
     model_config = model.config
     scheduler = config.scheduler
     bytes_per_page = KVStorage.bytes_per_page(
-        model_config.num_hidden_layers,
+        model.num_kv_layers,
         scheduler.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
@@ -152,7 +152,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
     choice = select_backend(config.attention_backend, spec)
     backend = choice.backend(spec)
     kv = KVStorage(
-        num_layers=model_config.num_hidden_layers,
+        num_layers=model.num_kv_layers,
         num_pages=num_pages,
         block_size=scheduler.block_size,
         num_kv_heads=model_config.num_key_value_heads,

@@ -41,7 +41,9 @@ MODES = {  # name -> (engine exit mode, exit threshold)
 }
 
 
-def params_for(index: int, mode: str, num_loops: int) -> SamplingParams:
+def params_for(
+    index: int, mode: str, num_loops: int, modes: dict[str, tuple[str, float]] = MODES
+) -> SamplingParams:
     min_loops, max_loops = LOOP_RANGES[index]
     return SamplingParams(
         max_tokens=6 + index % 4,
@@ -49,7 +51,7 @@ def params_for(index: int, mode: str, num_loops: int) -> SamplingParams:
         seed=1000 + index,
         min_loops=min(min_loops, num_loops),
         max_loops=None if max_loops is None else min(max_loops, num_loops),
-        exit_threshold=MODES[mode][1],
+        exit_threshold=modes[mode][1],
     )
 
 
@@ -61,12 +63,13 @@ def run_engine(
     count: int,
     chunk: int,
     prompts: list[list[int]] = PROMPTS,
+    modes: dict[str, tuple[str, float]] = MODES,
     **options: object,
 ) -> dict[str, tuple[list[int], list[int]]]:
     settings: dict[str, object] = {
         "model": str(checkpoint),
         "kv_layout": layout,
-        "exit_mode": MODES[mode][0],
+        "exit_mode": modes[mode][0],
         "scheduling": scheduling,
         "prefill_chunk_size": chunk,
         "max_num_batched_tokens": max(chunk, 16),
@@ -82,7 +85,7 @@ def run_engine(
         if step % 2 == 0 and step // 2 < count:  # staggered arrivals: one every other step
             index = step // 2
             engine.add_request(
-                prompts[index], params_for(index, mode, loops), request_id=str(index)
+                prompts[index], params_for(index, mode, loops, modes), request_id=str(index)
             )
         for output in engine.step():
             if output.finished:

@@ -9,6 +9,8 @@ import torch
 
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
+from loopserve.models.huginn import HuginnForCausalLM
+from loopserve.models.looped import PROMPT_STATE_SEED
 from loopserve.reference import SerialReference, dense_logits
 from loopserve.sampling_params import SamplingParams
 
@@ -44,6 +46,17 @@ def test_teacher_forcing_returns_the_forced_tokens(tiny_checkpoint: Path) -> Non
         ("tiny", {"tie_word_embeddings": True, "total_ut_steps": 3}),
         ("nanbeige-tiny", {}),
         ("nanbeige-tiny", {"num_loops": 3, "skip_loop_final_norm": True}),
+        ("huginn-tiny", {}),
+        ("huginn-tiny", {"qk_bias": False, "tie_embeddings": False, "mean_recurrence": 3}),
+        (
+            "huginn-tiny",
+            {
+                "n_layers": 8,
+                "n_layers_in_prelude": 2,
+                "n_layers_in_recurrent_block": 4,
+                "n_layers_in_coda": 2,
+            },
+        ),
     ],
 )
 def test_every_family_computes_its_spec(preset: str, overrides: dict[str, object]) -> None:
@@ -57,10 +70,16 @@ def test_every_family_computes_its_spec(preset: str, overrides: dict[str, object
     config = preset_config(preset, overrides)
     weights = random_state_dict(config, seed=3)
     model = build_model(config)
-    model.load_state_dict(weights, strict=not config.tie_word_embeddings)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    stored = {name: model.load_transform(name, tensor) for name, tensor in weights.items()}
+    model.load_state_dict(stored, strict=not config.tie_word_embeddings)
+    model.tie_weights()
     tokens = [5, 9, 17, 3, 200, 41, 8]
+    positions = torch.arange(len(tokens))
+    state = None
+    if isinstance(model, HuginnForCausalLM):  # the seeded draw of prompt tokens
+        state = model.initial_state(torch.full_like(positions, PROMPT_STATE_SEED), positions)
     for depth in range(1, config.num_loops + 1):
-        expected = spec_logits(config, weights, tokens, depth)
-        torch.testing.assert_close(dense_logits(model.eval(), tokens, depth), expected)
+        expected = spec_logits(config, weights, tokens, depth, state)
+        # Huginn: q and k are summed in another order (rotate-half layout), a few ulps apart.
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if state is not None else {}
+        torch.testing.assert_close(dense_logits(model.eval(), tokens, depth), expected, **tolerance)

@@ -57,10 +57,12 @@ def serial_score(
                 values = torch.stack([value for _, value in seen])
                 return _single_query_attention(q[0], keys, values)[None]
 
+            previous = hidden
             hidden = model.run_loop(hidden, LoopContext(cos=cos, sin=sin, attention=attend))
             done = loop == settings.max_loops
             if settings.exit_threshold < 1.0 and not done:
-                survival = next_survival(survival, model.exit_probability(hidden))
+                hazard = model.exit_probability(hidden, previous, settings.exit_threshold)
+                survival = next_survival(survival, hazard)
                 reached = threshold_reached(
                     survival, loop, settings.min_loops, settings.exit_threshold
                 )

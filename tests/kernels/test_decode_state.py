@@ -143,8 +143,8 @@ def _on_the_boundary(pair: Pair, kind: SamplingKind, generator: torch.Generator)
     hazards: list[torch.Tensor] = []
     gate = pair.model.exit_probability
 
-    def recorded(hidden: torch.Tensor) -> torch.Tensor:
-        hazards.append(gate(hidden))
+    def recorded(hidden: torch.Tensor, previous: torch.Tensor, threshold: object) -> torch.Tensor:
+        hazards.append(gate(hidden, previous, threshold))  # type: ignore[arg-type]
         return hazards[-1]
 
     pair.model.exit_probability = recorded  # type: ignore[method-assign]

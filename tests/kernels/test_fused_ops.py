@@ -123,11 +123,11 @@ def test_a_fused_loop_matches_the_torch_loop(device: torch.device, batch_invaria
     context = LoopContext(cos, sin, attention)
     with torch.inference_mode():
         expected = model.run_loop(hidden, context)
-        expected_hazard = model.exit_probability(expected)
+        expected_hazard = model.exit_probability(expected, hidden, 0.5)
         model.fuse_projections()
         model.ops = TritonOps(batch_invariant=batch_invariant)
         actual = model.run_loop(hidden, context)
-        hazard = model.exit_probability(expected)
+        hazard = model.exit_probability(expected, hidden, 0.5)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hazard, expected_hazard, rtol=1e-6, atol=1e-6)
 

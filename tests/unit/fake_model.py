@@ -50,8 +50,18 @@ class FakeLoopedModel:
         self.hazards = hazards or {}
         self.dtype = torch.float32
         self.ops = TorchOps()  # as OuroForCausalLM's on the CPU: the decode step runs as torch
+        self.has_stage_layers = False
+        self.carried_size = HIDDEN
+        self.num_kv_layers = 1
+        self.fused_bookkeeping = True
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def start(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seeds: torch.Tensor,
+        ctx: LoopContext | None = None,
+    ) -> torch.Tensor:
         hidden = torch.zeros(input_ids.shape[0], HIDDEN)
         hidden[:, 1] = input_ids.float()
         return hidden
@@ -67,13 +77,24 @@ class FakeLoopedModel:
         ctx.attention(0, marker, marker, marker)
         return hidden
 
-    def exit_probability(self, hidden: torch.Tensor) -> torch.Tensor:
+    def exit_probability(
+        self, hidden: torch.Tensor, previous: torch.Tensor, threshold: object
+    ) -> torch.Tensor:
         loops = hidden[:, 0].long().tolist()
         return torch.tensor([self.hazards.get(loop, 0.0) for loop in loops])
 
+    def coda(self, hidden: torch.Tensor, ctx: LoopContext | None = None) -> torch.Tensor:
+        return hidden
+
     def compute_logits(
-        self, hidden: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        ctx: LoopContext | None = None,
     ) -> torch.Tensor:
+        return self.head(hidden, rows)
+
+    def head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         vocab = self.config.vocab_size
         following = (hidden[:, 1].long() + 1) % vocab
         logits = torch.full((hidden.shape[0], vocab), -30.0)

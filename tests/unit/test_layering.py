@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "runner": {"engine.scheduler_output", "engine.runner_api", "models", "attention", "sample"}
     | {"kernels", "kv", "depth"}
     | CORE,
-    "models": {"kernels"},
+    # Huginn's random initial state is drawn from the counter-based noise that sampling uses
+    "models": {"kernels", "sample.noise"},
     "attention": {"kernels", "kv"},
     # the decode-state kernels return the depth rule's own outcome type
     "kernels": {"kv", "depth.policy"},

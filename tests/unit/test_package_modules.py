@@ -58,7 +58,8 @@ MODULES: dict[str, set[str]] = {
     },
     "kv": {"__init__", "layout", "metadata", "pages", "storage", "transfer"},
     "models": {
-        "__init__", "builtin", "checkpoint_writer", "families", "generation_config", "layers",
+        "__init__", "builtin", "checkpoint_writer", "families", "generation_config", "huginn",
+        "huginn_config", "layers",
         "loader", "looped", "model_config", "nanbeige", "nanbeige_config", "ops", "ouro",
         "ouro_config", "window_attention",
     },
