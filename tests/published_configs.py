@@ -157,12 +157,10 @@ def write_nanbeige_checkpoint(directory: Path, full_size: bool = False) -> Path:
 
 def write_huginn_checkpoint(directory: Path, full_size: bool = False) -> Path:
     """A checkpoint whose config.json is Huginn-0125's (`full_size`) or it scaled down, verbatim,
-    with random bf16 weights under the published tensor names and (scaled down) a ChatML
-    tokenizer."""
+    with random bf16 weights under the published tensor names and a ChatML tokenizer."""
     raw = HUGINN_0125_CONFIG if full_size else HUGINN_0125_CONFIG | SCALED_DOWN_HUGINN
     config = config_from_dict(raw)
-    if not full_size:
-        write_chat_tokenizer(directory, eos_token="<|im_end|>")
+    write_chat_tokenizer(directory, eos_token="<|im_end|>")
     write_checkpoint(directory, config, random_state_dict(config, seed=0, dtype=torch.bfloat16))
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     generation = {key: raw[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}

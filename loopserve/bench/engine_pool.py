@@ -132,18 +132,23 @@ class EnginePool:
 
 def model_bytes(runner: ModelRunner) -> ModelBytes:
     """The model's sizes for the floor, from the loaded weights themselves."""
+    model = runner.model
     core_bytes = core_params = lm_head_bytes = 0
-    for name, parameter in runner.model.named_parameters():
+    for name, parameter in model.named_parameters():
         size = parameter.numel() * parameter.element_size()
-        if name.startswith("model.layers.") or name == "model.norm.weight":
+        stage = model.parameter_stage(name)
+        if stage == "loop":
             core_bytes += size
             core_params += parameter.numel()
-        elif name == "lm_head.weight":
-            lm_head_bytes = size
+        elif stage == "token":
+            lm_head_bytes += size
+    # One plane's K/V per token, of the block's layers (a row-loop reads those).
+    per_token = runner.info.kv_bytes_per_page // runner.decode.kv.block_size
+    block_share = per_token * model.config.num_hidden_layers // model.num_kv_layers
     return ModelBytes(
         core_weight_bytes=core_bytes,
         lm_head_bytes=lm_head_bytes,
-        kv_bytes_per_token_plane=runner.info.kv_bytes_per_page // runner.decode.kv.block_size,
+        kv_bytes_per_token_plane=block_share,
         core_params=core_params,
     )
 

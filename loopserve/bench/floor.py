@@ -33,7 +33,7 @@ class ModelBytes:
     """Sizes of the model that the floor needs (in the dtype it runs in)."""
 
     core_weight_bytes: int  # every layer's weights + the final norm: read once per loop
-    lm_head_bytes: int  # read once per step that samples a token
+    lm_head_bytes: int  # the readout (and any prelude layers): read once per step that samples
     kv_bytes_per_token_plane: int  # 2 × layers × kv_heads × head_dim × dtype bytes
     core_params: int  # prefill costs 2 × core_params FLOPs per token per loop
 

@@ -148,6 +148,14 @@ class HuginnForCausalLM(LoopedForCausalLM):
     def embedding(self) -> torch.Tensor:
         return self.transformer["wte"].weight
 
+    def parameter_stage(self, name: str) -> str | None:
+        """The block and the adapter every loop; the prelude, the coda, `ln_f` and the (tied) LM
+        head once per token."""
+        if name.startswith(("transformer.core_block.", "transformer.adapter.")):
+            return "loop"
+        tied = name == "transformer.wte.weight" and self.config.tie_word_embeddings
+        return "token" if tied or not name.startswith("transformer.wte.") else None
+
     def load_transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Adjacent-pair RoPE dimensions of q and k (Wqkv rows, the QK bias) in rotate-half
         order: each head's even dimensions, then its odd ones."""

@@ -107,6 +107,14 @@ class LoopedForCausalLM(nn.Module):
         table lookup and carry `hidden_size` values) can run this family."""
         return not self.has_stage_layers and self.carried_size == self.config.hidden_size
 
+    def parameter_stage(self, name: str) -> str | None:
+        """How often decoding reads a parameter's whole tensor (the bandwidth floor's sizes):
+        "loop" (every loop), "token" (once per generated token: the readout, and any prelude
+        layers) or None (a table it only gathers rows of)."""
+        if name.startswith("model.layers.") or name == "model.norm.weight":
+            return "loop"
+        return "token" if name == "lm_head.weight" else None
+
     def load_transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as this model stores it (the identity unless a family re-lays
         some weights out at load)."""
