@@ -56,9 +56,12 @@ class HuginnAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         shape = (tokens, self.num_heads, self.head_dim)
-        q, k, v = (part.view(shape) for part in self.Wqkv(x).chunk(3, dim=-1))
-        if self.qk_bias is not None:
-            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        qkv = self.Wqkv(x)
+        qk, v = qkv[:, : 2 * x.shape[1]], qkv[:, 2 * x.shape[1] :]
+        if self.qk_bias is not None:  # [q, k] of a token stay side by side, as fused RoPE wants
+            qk = qk + self.qk_bias.reshape(-1)
+        q, k = (part.view(shape) for part in qk.chunk(2, dim=-1))
+        v = v.view(shape)
         if not ctx.attention_rotates:
             q, k = ops.rotary(q, k, ctx.cos, ctx.sin)
         out = ctx.attention(layer_index, q, k, v)  # [T, heads, D]

@@ -94,3 +94,31 @@ def test_settings_are_validated(model: OuroForCausalLM, windows: torch.Tensor) -
         ExitSettings(0.5, max_loops=2, min_loops=3)
     with pytest.raises(ValueError, match="exceeds"):
         score_windows(model, windows, ExitSettings(1.0, max_loops=5))
+
+
+@pytest.mark.parametrize("loops", [1, 3])
+def test_huginn_fixed_depths_score_the_dense_forward(loops: int) -> None:
+    """Huginn (prelude and coda layers, the seeded prompt state): each window's fixed-depth
+    log-probabilities are the cache-free dense forward's; adaptive exits are refused by name."""
+    from loopserve.models.loader import build_model
+    from loopserve.reference import dense_logits
+
+    config = preset_config("huginn-tiny")
+    model = build_model(config)
+    weights = random_state_dict(config, seed=2)
+    model.load_state_dict({k: model.load_transform(k, v) for k, v in weights.items()}, strict=False)
+    model.tie_weights()
+    model.eval()
+    windows = torch.randint(
+        0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3)
+    )
+    scores = score_windows(model, windows, ExitSettings(1.0, max_loops=loops))
+    for row in range(windows.shape[0]):
+        tokens = windows[row].tolist()
+        logits = dense_logits(model, tokens, loops).log_softmax(-1)
+        expected = logits[torch.arange(len(tokens) - 1), windows[row, 1:]]
+        # Log-probs near -30 (random weights), summed by two attention implementations.
+        torch.testing.assert_close(scores.logprobs[row], expected, atol=1e-4, rtol=1e-5)
+        assert scores.exit_depths[row].tolist() == [loops] * (len(tokens) - 1)
+    with pytest.raises(ValueError, match="not implemented for huginn: its coda layers"):
+        score_windows(model, windows, ExitSettings(0.5, max_loops=loops))

@@ -170,10 +170,14 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         held_out_fraction=args.held_out_fraction or trained.get("held_out_fraction", 0.05),
         max_files=trained.get("max_files"),
     ).to(device)
-    if not model.config.has_exit_gate and thresholds:
+    if thresholds and (not model.config.has_exit_gate or model.has_stage_layers):
+        reason = (
+            "has no exit gate: exit thresholds do not apply"
+            if not model.config.has_exit_gate
+            else "has coda layers, whose early-exit perplexity is not implemented"
+        )
         print(
-            f"{model.config.family} has no exit gate: exit thresholds do not apply, so only the "
-            "fixed depths are measured",
+            f"{model.config.family} {reason}, so only the fixed depths are measured",
             file=sys.stderr,
         )
         thresholds = []
