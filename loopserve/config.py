@@ -82,6 +82,12 @@ class SchedulerConfig:
         "loop of the model; on the command line they must sum to 1 (in Python they are weights, "
         "normalized); empty: the model family's default (Ouro: d2.6 = 0.1,0.4,0.3,0.2)",
     )
+    exit_criterion: str = setting(
+        "",
+        "the family's exit rule in the ouro modes: Ouro gate; Huginn latent-diff, entropy-diff, "
+        "kl or minp-kl (the request's exit_threshold is the criterion's threshold); empty: the "
+        "family's default (gate, latent-diff)",
+    )
     kv_layout: KVLayout = setting(
         KVLayout.FULL,
         "full: one KV plane per loop (at fixed depth exactly the HF model); shared: once a "

@@ -108,6 +108,7 @@ class HuginnForCausalLM(LoopedForCausalLM):
 
     config: HuginnConfig
     has_stage_layers = True
+    exit_criterion = "latent-diff"
 
     def __init__(self, config: HuginnConfig) -> None:
         super().__init__(config)
@@ -210,12 +211,50 @@ class HuginnForCausalLM(LoopedForCausalLM):
     def exit_probability(
         self, hidden: torch.Tensor, previous: torch.Tensor, threshold: torch.Tensor | float
     ) -> torch.Tensor:
-        """The official latent-diff criterion in fp32: the state converged when
+        """The official latent-diff criterion (the default) in fp32: the state converged when
         ||s_prev - s|| / ||s|| < threshold; λ = 1 then (the exit test's CDF reaches 1), else 0."""
         size = self.config.hidden_size
         state = hidden[:, :size].float()
         change = (previous[:, :size].float() - state).norm(dim=-1) / state.norm(dim=-1)
         return (change < threshold).float()
+
+    @property
+    def exit_needs_readout(self) -> bool:
+        return self.exit_criterion in ("entropy-diff", "kl", "minp-kl")
+
+    @property
+    def exit_memory_size(self) -> int:
+        sizes = {"entropy-diff": 1, "kl": self.config.vocab_size, "minp-kl": self.config.vocab_size}
+        return sizes.get(self.exit_criterion, 0)
+
+    def initial_exit_memory(self, rows: int) -> torch.Tensor:
+        """The official starting points: an entropy of 100; the uniform distribution's log."""
+        start = (
+            100.0 if self.exit_criterion == "entropy-diff" else -math.log(self.config.vocab_size)
+        )
+        return torch.full((rows, self.exit_memory_size), start, device=self.device)
+
+    def readout_exit(
+        self, logits: torch.Tensor, memory: torch.Tensor, threshold: torch.Tensor | float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The official logit criteria in fp32: `entropy-diff`, |H - H_prev| with H the entropy
+        (log of p + 1e-10); `kl`, KL(p_prev || p); `minp-kl`, the same after probabilities under
+        a tenth of the largest are set to 1/V and the rest renormalised."""
+        if self.exit_criterion == "entropy-diff":
+            probs = logits.softmax(dim=-1)
+            entropy = -(probs * (probs + 1e-10).log()).sum(dim=-1)
+            change, memory = (entropy - memory[:, 0]).abs(), entropy[:, None]
+        else:
+            if self.exit_criterion == "minp-kl":
+                probs = logits.softmax(dim=-1)
+                floor = 0.1 * probs.max(dim=-1, keepdim=True).values
+                probs = torch.where(probs < floor, 1.0 / self.config.vocab_size, probs)
+                log_probs = (probs / probs.sum(dim=-1, keepdim=True)).log()
+            else:
+                log_probs = logits.log_softmax(dim=-1)
+            change = (memory.exp() * (memory - log_probs)).sum(dim=-1)
+            memory = log_probs
+        return (change < threshold).float(), memory
 
     def coda(self, hidden: torch.Tensor, ctx: LoopContext | None = None) -> torch.Tensor:
         """ln_f, the coda layers, ln_f again: the state [T, 2H] -> the LM head's input [T, H]."""

@@ -25,6 +25,9 @@ from loopserve.models.model_config import (
     weights_dtype,
 )
 
+# The official adaptive generation's convergence criteria -> the threshold its "auto" gives them
+# (raven_modeling_minimal.py); `argmax-stability` counts loops instead and is not offered.
+CONVERGENCE_THRESHOLDS = {"latent-diff": 0.03, "entropy-diff": 1e-3, "kl": 5e-4, "minp-kl": 1e-6}
 # Architecture choices -> the one value loopserve implements (the released checkpoint's).
 _FIXED_FIELDS: dict[str, tuple[Any, ...]] = {
     "architecture_class_name": ("RecurrentGPT",),
@@ -73,7 +76,8 @@ class HuginnConfig(LoopedConfig):
     """Shape and constants of a Huginn model; the defaults are Huginn-0125's."""
 
     family: ClassVar[str] = "huginn"
-    has_exit_gate: ClassVar[bool] = True  # its exit rule: convergence of the state (latent-diff)
+    has_exit_gate: ClassVar[bool] = True  # its exit rule: convergence between loops
+    exit_criteria: ClassVar[tuple[str, ...]] = tuple(CONVERGENCE_THRESHOLDS)
 
     vocab_size: int = 65536
     hidden_size: int = 5280

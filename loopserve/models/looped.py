@@ -71,6 +71,8 @@ class LoopedForCausalLM(nn.Module):
     # Prelude or coda layers with attention (their own K/V, one plane): `start` and
     # `compute_logits` then need a `LoopContext`.
     has_stage_layers = False
+    # The exit criterion the engine runs (`LoopedConfig.resolve_exit_criterion`; set at load).
+    exit_criterion = ""
 
     def __init__(self, config: LoopedConfig, body: LoopedBody | None = None) -> None:
         """`body`: the `model.*` module of families laid out like Ouro; a family laid out
@@ -184,6 +186,28 @@ class LoopedForCausalLM(nn.Module):
         threshold, which a convergence rule compares with); a family without an exit rule never
         exits on its own (λ = 0)."""
         return torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+
+    @property
+    def exit_needs_readout(self) -> bool:
+        """Whether the exit criterion reads each loop's logits (`readout_exit`) rather than its
+        output (`exit_probability`)."""
+        return False
+
+    @property
+    def exit_memory_size(self) -> int:
+        """fp32 values per token that `readout_exit` carries from one loop to the next."""
+        return 0
+
+    def initial_exit_memory(self, rows: int) -> torch.Tensor:
+        """`readout_exit`'s memory before a token's first loop, [rows, exit_memory_size]."""
+        return torch.zeros((rows, self.exit_memory_size), device=self.device)
+
+    def readout_exit(
+        self, logits: torch.Tensor, memory: torch.Tensor, threshold: torch.Tensor | float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hazard λ [T] of a loop from its fp32 logits [T, V] and the previous loop's memory
+        [T, exit_memory_size] -> (λ, this loop's memory), for a criterion that reads logits."""
+        raise NotImplementedError(f"{self.exit_criterion!r} reads no logits")
 
     def compute_logits(
         self,

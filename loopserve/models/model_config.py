@@ -95,9 +95,12 @@ class LoopedConfig:
     Ouro-1.4B's; each family's subclass sets its own.
     """
 
-    # The family's name (`model_type`) and whether it has an exit gate (an exit hazard per loop).
+    # The family's name and whether it has an exit rule of its own (an exit hazard per loop:
+    # Ouro's gate, Huginn's convergence test).
     family: ClassVar[str] = ""
     has_exit_gate: ClassVar[bool] = False
+    # The family's exit criteria (`exit_criterion`), its default first; none without a rule.
+    exit_criteria: ClassVar[tuple[str, ...]] = ()
 
     vocab_size: int = 49152
     hidden_size: int = 2048
@@ -121,6 +124,18 @@ class LoopedConfig:
 
     def __post_init__(self) -> None:
         validate_common(self)
+
+    def resolve_exit_criterion(self, name: str) -> str:
+        """The exit criterion an engine runs: `name`, or (empty) the family's default."""
+        if not name:
+            return self.exit_criteria[0] if self.exit_criteria else ""
+        if name not in self.exit_criteria:
+            offered = ", ".join(self.exit_criteria) or "none: it has no exit rule"
+            raise ConfigError(
+                f"exit_criterion {name!r} is not one of {self.family or 'this family'}'s "
+                f"({offered})"
+            )
+        return name
 
     @property
     def num_stage_layers(self) -> int:

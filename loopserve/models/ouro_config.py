@@ -38,6 +38,7 @@ class OuroConfig(LoopedConfig):
 
     family: ClassVar[str] = "ouro"
     has_exit_gate: ClassVar[bool] = True
+    exit_criteria: ClassVar[tuple[str, ...]] = ("gate",)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:

@@ -104,6 +104,8 @@ class DecodeStep:
         self.position, self.token, self.output_count = (zeros(torch.int64) for _ in range(3))
         self.survival = zeros(torch.float32) + 1.0
         self.hidden = zeros(model.dtype, model.carried_size)
+        # What the exit criterion carries between loops (criteria that read logits).
+        self.exit_memory = zeros(torch.float32, model.exit_memory_size)
         # Per-request settings.
         self.min_loops, self.max_loops = zeros(torch.int64) + 1, zeros(torch.int64) + 1
         self.rule, self.max_tokens = zeros(torch.int64), zeros(torch.int64) + 1
@@ -197,7 +199,7 @@ class DecodeStep:
         """Everything `step` mutates besides the KV cache (for snapshots around graph capture)."""
         return [
             self.active, self.waiting, self.stop_next, self.loop, self.position, self.token,
-            self.output_count, self.survival, self.hidden,
+            self.output_count, self.survival, self.hidden, self.exit_memory,
         ]  # fmt: skip
 
     # ----- one loop (device only) -----------------------------------------------------------
@@ -221,11 +223,10 @@ class DecodeStep:
         hidden = torch.where(starts[:, None], first, self.hidden[:rows])
         plane = self.layout.decode_plane(row.loop, row.max_loops)
         metadata = self.block_tables.decode_metadata(ran, plane, position, self._host_lengths)
-        out, hazard = self._loop(hidden, cos, sin, metadata, self.threshold[:rows])
-        outcome = policy.after_loop(row, ran, hazard)
+        out = self._loop(hidden, cos, sin, metadata)
+        loop = (hidden, out, position, cos, sin)
+        outcome, sampled = self._exit_and_sample(rows, kind, row, ran, *loop)
         exited = outcome.exited
-        coda = self._stage_context(exited, row, position, cos, sin)
-        sampled = self._choose(rows, kind, out, exited, coda)
         if self.layout.copies_on_exit:
             self._copy_on_exit(rows, exited, row, position)
         count = self.output_count[:rows] + exited.long()
@@ -258,9 +259,8 @@ class DecodeStep:
         if self.backend.decode_rotary and self.model.ops.rotary_is_fused_ops:
             # RoPE inside the decode kernel (one launch less a layer), with the ops' own bits.
             metadata = dataclasses.replace(metadata, rope=(start.cos, start.sin))
-        out, hazard = self._loop(
-            start.hidden, start.cos, start.sin, metadata, self.threshold[:rows]
-        )
+        out = self._loop(start.hidden, start.cos, start.sin, metadata)
+        hazard = self.model.exit_probability(out, start.hidden, self.threshold[:rows])
         outcome = kernels.decide(start, hazard)
         sampled = self._choose(rows, kind, out, outcome.exited)
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
@@ -282,13 +282,41 @@ class DecodeStep:
         cos: torch.Tensor,
         sin: torch.Tensor,
         metadata: AttentionMetadata,
-        threshold: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loop itself and the exit hazard λ of every row."""
+    ) -> torch.Tensor:
+        """The loop itself: [rows, carried] -> [rows, carried]."""
         attention = PagedAttention(self.backend, self.kv, metadata)
         context = LoopContext(cos, sin, attention, attention_rotates=attention.rotates)
-        out = self.model.run_loop(hidden, context)  # [rows, carried]
-        return out, self.model.exit_probability(out, hidden, threshold)
+        return self.model.run_loop(hidden, context)
+
+    def _exit_and_sample(
+        self,
+        rows: int,
+        kind: SamplingKind,
+        row: RowDepth,
+        ran: torch.Tensor,
+        hidden: torch.Tensor,
+        out: torch.Tensor,
+        position: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[policy.LoopOutcome, SampleResult]:
+        """Which rows exit after this loop, and every row's next token. A criterion that reads
+        the loop's logits gets every running row's readout (their coda K/V rewritten each loop,
+        so the exit loop's stays) and carries its memory in `exit_memory`."""
+        threshold = self.threshold[:rows]
+        if not self.model.exit_needs_readout:
+            hazard = self.model.exit_probability(out, hidden, threshold)
+            outcome = policy.after_loop(row, ran, hazard)
+            coda = self._stage_context(outcome.exited, row, position, cos, sin)
+            return outcome, self._choose(rows, kind, out, outcome.exited, coda)
+        coda = self._stage_context(ran, row, position, cos, sin)
+        logits = self.model.compute_logits(out, rows=ran, ctx=coda)  # [rows, V]
+        fresh = self.model.initial_exit_memory(rows)
+        memory = torch.where((row.loop == 1)[:, None], fresh, self.exit_memory[:rows])
+        hazard, updated = self.model.readout_exit(logits, memory, threshold)
+        self.exit_memory[:rows] = torch.where(ran[:, None], updated, memory)
+        outcome = policy.after_loop(row, ran, hazard)
+        return outcome, sample(logits, self._sampling_batch(rows, kind))
 
     def _stage_context(
         self,

@@ -99,6 +99,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
         )
     model_config = read_model_config(model_dir / "config.json")
     scheduler = config.scheduler
+    model_config.resolve_exit_criterion(scheduler.exit_criterion)  # before the weights
     if scheduler.exit_mode is ExitMode.TRACE:  # the engine says the same, after the weights
         resolve_distribution(
             scheduler.trace_distribution, model_config.family, model_config.num_loops
@@ -138,6 +139,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         model = load_model(config, model_dir, device)
     model_config = model.config
     scheduler = config.scheduler
+    model.exit_criterion = model_config.resolve_exit_criterion(scheduler.exit_criterion)
     bytes_per_page = KVStorage.bytes_per_page(
         model.num_kv_layers,
         scheduler.block_size,

@@ -1,8 +1,9 @@
 """Huginn-0125's engine token ids and exit depths equal the serial reference (fp32, CPU): prelude
 and coda layers with K/V of their own, input injection, a seeded random initial state and the
-convergence exit rule, across both layouts, every exit mode, both scheduling modes, batch
-compositions with staggered arrivals, prefill chunk sizes, 1, 3 and 8 loops and the 1-1-1 and
-2-4-2 stage splits; with preemption, prefix-cache hits and reserved allocation."""
+convergence exit rule (latent-diff, and the criteria that read every loop's logits), across both
+layouts, every exit mode, both scheduling modes, batch compositions with staggered arrivals,
+prefill chunk sizes, 1, 3 and 8 loops and the 1-1-1 and 2-4-2 stage splits; with preemption,
+prefix-cache hits and reserved allocation."""
 
 from __future__ import annotations
 
@@ -126,6 +127,47 @@ def test_engine_equals_serial_reference(
     results = run_engine(directory, layout, mode, scheduling, count, chunk, modes=modes(name))
     for index in range(count):
         assert results[str(index)] == reference(layout, mode, index), f"request {index}"
+
+
+# Criteria that read each loop's logits -> a threshold that spreads these weights' exits.
+LOGIT_CRITERIA = {"entropy-diff": 0.2, "kl": 0.9, "minp-kl": 0.5}
+
+
+@pytest.mark.parametrize("checkpoint", ["111x3"], indirect=True)
+@pytest.mark.parametrize("criterion", list(LOGIT_CRITERIA))
+@pytest.mark.parametrize("scheduling", SCHEDULINGS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logit_criteria_equal_the_reference(
+    checkpoint: tuple[str, Path], layout: str, scheduling: str, criterion: str
+) -> None:
+    """The engine's readout every loop (coda K/V rewritten until the exit) and the criterion's
+    memory equal the reference's, and the exits really spread."""
+    _, directory = checkpoint
+    given = {"converge": ("ouro", LOGIT_CRITERIA[criterion])}
+    options = {"exit_criterion": criterion}
+    results = run_engine(directory, layout, "converge", scheduling, 8, 5, modes=given, **options)
+    config = EngineConfig.from_options(model=str(directory), num_kv_pages=8, **options)
+    engine = Engine(config)
+    serial = SerialReference(engine.runner.model, kv_layout=layout)  # type: ignore[attr-defined]
+    depths = []
+    for index in range(8):
+        params = engine.resolve(params_for(index, "converge", 3, given))
+        out = serial.generate(PROMPTS[index], params)
+        assert results[str(index)] == (out.token_ids, out.exit_depths), f"request {index}"
+        depths += out.exit_depths[1:]
+    assert len(set(depths)) >= 2, depths
+
+
+def test_criteria_are_checked_against_the_family() -> None:
+    from loopserve.models.model_config import ConfigError
+
+    config = preset_config("huginn-tiny")
+    assert config.resolve_exit_criterion("") == "latent-diff"
+    with pytest.raises(ConfigError, match="'argmax-stability' is not one of huginn's"):
+        config.resolve_exit_criterion("argmax-stability")
+    with pytest.raises(ConfigError, match=r"'kl' is not one of nanbeige's .*no exit rule"):
+        preset_config("nanbeige-tiny").resolve_exit_criterion("kl")
+    assert preset_config("tiny").resolve_exit_criterion("") == "gate"
 
 
 @pytest.mark.parametrize("checkpoint", ["111x3", "242x8"], indirect=True)

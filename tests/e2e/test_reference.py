@@ -65,7 +65,8 @@ def test_every_family_computes_its_spec(preset: str, overrides: dict[str, object
     from loopserve.models.checkpoint_writer import random_state_dict
     from loopserve.models.families import preset_config
     from loopserve.models.loader import build_model
-    from loopserve.reference import dense_logits, spec_logits
+    from loopserve.reference import dense_logits
+    from loopserve.reference_spec import spec_logits
 
     config = preset_config(preset, overrides)
     weights = random_state_dict(config, seed=3)

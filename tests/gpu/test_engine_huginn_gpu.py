@@ -79,13 +79,27 @@ def engine(checkpoint: Path, dtype: str, **options: object) -> Engine:
 
 
 @pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
-@pytest.mark.parametrize(("exit_mode", "threshold"), [("ouro", 1.0), ("ouro", 0.5), ("trace", 1.0)])
+@pytest.mark.parametrize(
+    ("exit_mode", "threshold", "criterion"),
+    [
+        ("ouro", 1.0, ""),
+        ("ouro", 0.5, ""),
+        ("trace", 1.0, ""),
+        ("ouro", 0.3, "entropy-diff"),
+        ("ouro", 0.9, "kl"),
+    ],
+)
 @pytest.mark.parametrize("layout", ["full", "shared"])
 def test_fp32_engine_equals_reference(
-    checkpoint: Path, layout: str, exit_mode: str, threshold: float, scheduling: str
+    checkpoint: Path, layout: str, exit_mode: str, threshold: float, criterion: str, scheduling: str
 ) -> None:
     fp32 = engine(
-        checkpoint, "float32", kv_layout=layout, exit_mode=exit_mode, scheduling=scheduling
+        checkpoint,
+        "float32",
+        kv_layout=layout,
+        exit_mode=exit_mode,
+        scheduling=scheduling,
+        exit_criterion=criterion,
     )
     batch, params = prompts(10), huginn_params(10, threshold)
     results = run(fp32, batch, params)
@@ -100,13 +114,17 @@ def test_fp32_engine_equals_reference(
         assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
 
 
-@pytest.mark.parametrize(("exit_mode", "threshold"), [("ouro", 0.5), ("trace", 1.0)])
-def test_bf16_graphs_equal_eager(checkpoint: Path, exit_mode: str, threshold: float) -> None:
+@pytest.mark.parametrize(
+    ("exit_mode", "threshold", "criterion"),
+    [("ouro", 0.5, ""), ("trace", 1.0, ""), ("ouro", 0.9, "kl")],
+)
+def test_bf16_graphs_equal_eager(
+    checkpoint: Path, exit_mode: str, threshold: float, criterion: str
+) -> None:
     batch, params = prompts(24, seed=1), huginn_params(24, threshold)
-    graphed = run(engine(checkpoint, "bfloat16", exit_mode=exit_mode), batch, params)
-    eager = run(
-        engine(checkpoint, "bfloat16", exit_mode=exit_mode, cuda_graphs=False), batch, params
-    )
+    options = {"exit_mode": exit_mode, "exit_criterion": criterion}
+    graphed = run(engine(checkpoint, "bfloat16", **options), batch, params)
+    eager = run(engine(checkpoint, "bfloat16", cuda_graphs=False, **options), batch, params)
     assert graphed == eager
     assert len({d for _, depths in graphed for d in depths[1:]}) > 1  # depths really vary
 

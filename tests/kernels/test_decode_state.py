@@ -198,7 +198,7 @@ def check_fused_matches_torch(
         actual = pair.fused.step(ROWS, kind) if graphs is None else graphs.run(ROWS, kind)
         _assert_bitwise(f"record, step {step}", expected, actual)
         names = ["active", "waiting", "stop_next", "loop", "position", "token", "output_count"]
-        names += ["survival", "hidden"]
+        names += ["survival", "hidden", "exit_memory"]
         for name, want, got in zip(
             names, pair.reference.state_tensors(), pair.fused.state_tensors(), strict=True
         ):

@@ -54,6 +54,8 @@ class FakeLoopedModel:
         self.carried_size = HIDDEN
         self.num_kv_layers = 1
         self.fused_bookkeeping = True
+        self.exit_needs_readout = False
+        self.exit_memory_size = 0
 
     def start(
         self,

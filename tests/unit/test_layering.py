@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"models", "data"} | CORE,
     "data": set(),
     "reference": {"models", "sample", "depth"} | CORE,
+    "reference_spec": {"models.model_config", "models.huginn_config", "reference"},
     "engine": {"depth", "kv.pages", "kv.layout", "models.model_config", "models.generation_config"}
     | CORE,
     "runner": {"engine.scheduler_output", "engine.runner_api", "models", "attention", "sample"}

@@ -18,7 +18,10 @@ PACKAGE = Path(loopserve.__file__).parent
 
 # folder of the package ("" for the top) -> its modules (file stems)
 MODULES: dict[str, set[str]] = {
-    "": {"__init__", "config", "outputs", "reference", "request", "sampling_params", "tokenizer"},
+    "": {
+        "__init__", "config", "outputs", "reference", "reference_spec", "request",
+        "sampling_params", "tokenizer",
+    },
     "attention": {"__init__", "base", "paged", "registry", "torch_backend", "triton_backend"},
     "attention/flashinfer": {
         "__init__", "backend", "csr", "fa2", "library", "plan_cache", "prebuild", "prefill", "xqa",
