@@ -83,7 +83,7 @@ def _costs_at(model: LoopedForCausalLM, batch: int, device: torch.device) -> dic
     greedy = SamplingBatch.build([greedy_info] * batch, vocab, device)
     with torch.inference_mode():
         loop_ms = _time(lambda: model.run_loop(hidden, context))
-        gate_ms = _time(lambda: model.exit_probability(hidden))
+        gate_ms = _time(lambda: model.exit_probability(hidden, hidden, 1.0))
         coda_greedy_ms = _time(lambda: sample(model.compute_logits(hidden), greedy))
         coda_sampled_ms = _time(lambda: sample(model.compute_logits(hidden), sampled))
     return {

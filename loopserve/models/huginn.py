@@ -18,6 +18,7 @@ same scores (q . k is unchanged when q and k are permuted alike).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -103,6 +104,29 @@ class SandwichBlock(nn.Module):
         return y
 
 
+class HuginnBody(nn.Module):
+    """`transformer.*` in the checkpoint: the embedding, the three stages' layers, the adapter
+    and `ln_f`."""
+
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+
+        def stack(count: int) -> nn.ModuleList:
+            return nn.ModuleList(SandwichBlock(config) for _ in range(count))
+
+        self.wte = nn.Embedding(config.vocab_size, hidden)
+        self.prelude = stack(config.prelude_layers)
+        self.adapter = nn.Linear(2 * hidden, hidden, bias=False)
+        self.core_block = stack(config.num_hidden_layers)
+        self.coda = stack(config.coda_layers)
+        self.ln_f = RMSNorm(hidden, config.rms_norm_eps)
+
+    def blocks(self, stage: str) -> list[SandwichBlock]:
+        """The layers of "prelude", "core_block" or "coda", typed."""
+        return cast(list[SandwichBlock], list(getattr(self, stage)))
+
+
 class HuginnForCausalLM(LoopedForCausalLM):
     """Huginn on the staged interface: prelude and coda layers keep K/V of their own."""
 
@@ -112,22 +136,8 @@ class HuginnForCausalLM(LoopedForCausalLM):
 
     def __init__(self, config: HuginnConfig) -> None:
         super().__init__(config)
-        hidden = config.hidden_size
-
-        def stack(count: int) -> nn.ModuleList:
-            return nn.ModuleList(SandwichBlock(config) for _ in range(count))
-
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": nn.Embedding(config.vocab_size, hidden),
-                "prelude": stack(config.prelude_layers),
-                "adapter": nn.Linear(2 * hidden, hidden, bias=False),
-                "core_block": stack(config.num_hidden_layers),
-                "coda": stack(config.coda_layers),
-                "ln_f": RMSNorm(hidden, config.rms_norm_eps),
-            }
-        )
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.transformer = HuginnBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         # K/V layers: the block's 0 .. B-1, then the prelude's, then the coda's.
         self._prelude_kv = config.num_hidden_layers
@@ -135,7 +145,7 @@ class HuginnForCausalLM(LoopedForCausalLM):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.transformer["wte"].weight
+            self.lm_head.weight = self.transformer.wte.weight
 
     def fuse_projections(self) -> None:
         """Huginn's checkpoint already projects q/k/v and gate/up with one matmul each."""
@@ -150,7 +160,7 @@ class HuginnForCausalLM(LoopedForCausalLM):
 
     @property
     def embedding(self) -> torch.Tensor:
-        return self.transformer["wte"].weight
+        return self.transformer.wte.weight
 
     def parameter_stage(self, name: str) -> str | None:
         """The block and the adapter every loop; the prelude, the coda, `ln_f` and the (tied) LM
@@ -174,7 +184,7 @@ class HuginnForCausalLM(LoopedForCausalLM):
         return tensor
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.transformer["wte"](input_ids) * self.config.embed_scale
+        return self.transformer.wte(input_ids) * self.config.embed_scale
 
     def initial_state(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The random initial state of tokens at `positions` [T] with state seeds [T]: a normal
@@ -195,7 +205,7 @@ class HuginnForCausalLM(LoopedForCausalLM):
     ) -> torch.Tensor:
         """[s0, e]: the seeded initial state and the prelude's output, [T, 2H]."""
         e = self.embed(input_ids)
-        for index, layer in enumerate(self.transformer["prelude"]):
+        for index, layer in enumerate(self.transformer.blocks("prelude")):
             assert ctx is not None, "Huginn's prelude layers need their attention context"
             e = layer(e, self._prelude_kv + index, ctx, self.ops)
         return torch.cat([self.initial_state(seeds, positions), e], dim=-1)
@@ -203,8 +213,8 @@ class HuginnForCausalLM(LoopedForCausalLM):
     def run_loop(self, hidden: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """[s, e] -> [core(adapter([s, e])), e]."""
         e = hidden[:, self.config.hidden_size :]
-        x = self.transformer["adapter"](hidden)
-        for index, layer in enumerate(self.transformer["core_block"]):
+        x = self.transformer.adapter(hidden)
+        for index, layer in enumerate(self.transformer.blocks("core_block")):
             x = layer(x, index, ctx, self.ops)
         return torch.cat([x, e], dim=-1)
 
@@ -258,9 +268,9 @@ class HuginnForCausalLM(LoopedForCausalLM):
 
     def coda(self, hidden: torch.Tensor, ctx: LoopContext | None = None) -> torch.Tensor:
         """ln_f, the coda layers, ln_f again: the state [T, 2H] -> the LM head's input [T, H]."""
-        ln_f = self.transformer["ln_f"]
+        ln_f = self.transformer.ln_f
         x = self.ops.rms_norm(hidden[:, : self.config.hidden_size].contiguous(), ln_f)
-        for index, layer in enumerate(self.transformer["coda"]):
+        for index, layer in enumerate(self.transformer.blocks("coda")):
             assert ctx is not None, "Huginn's coda layers need their attention context"
             x = layer(x, self._coda_kv + index, ctx, self.ops)
         return self.ops.rms_norm(x, ln_f)
