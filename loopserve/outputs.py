@@ -7,6 +7,7 @@ Must not: import torch.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 
@@ -52,6 +53,8 @@ class CompletionOutput:
     # and the rest, the tags dropped (docs/server.md, "Reasoning"); None elsewhere.
     reasoning_content: str | None = None
     content: str | None = None
+    # `LLM.chat` with tools: the calls parsed out of `content` (which keeps the text around them).
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,6 +63,15 @@ class CompletionOutput:
     @property
     def mean_exit_depth(self) -> float:
         return sum(self.exit_depths) / len(self.exit_depths) if self.exit_depths else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call parsed out of a chat reply (`LLM.chat` with tools, the server's `tool_calls`)."""
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
 @dataclass(slots=True)

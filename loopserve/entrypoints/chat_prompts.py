@@ -3,9 +3,10 @@
 (the template already placed the special tokens).
 
 Owns: accepting one conversation or a list of them, message content as a string or as text parts
-(joined with newlines, as the server does), and the error when the model has no template. Must
-not: generate (the caller does) or import the server (only the template renderer, which needs
-jinja2).
+(joined with newlines, as the server does), the tool fields a message may carry (`tool_calls`,
+`tool_call_id`) and the tools a template may render, and the error when the model has no
+template. Must not: generate (the caller does) or import the server (only the template renderer,
+which needs jinja2).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ def render_conversations(
     chat_template: str | None,
     template_kwargs: Mapping[str, Any] | None,
     add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[str], list[list[int]], str]:
-    """The rendered text and token ids of each conversation, and the template's source.
+    """The rendered text and token ids of each conversation, and the template's source; `tools`
+    (OpenAI's `{"type": "function", "function": {"name": ...}}`) are the template's `tools`.
 
     Raises:
         ValueError: no tokenizer or template, jinja2 missing, a malformed message, or the template
@@ -47,7 +50,7 @@ def render_conversations(
     for index, conversation in enumerate(_conversations(messages)):
         try:
             checked = [_message(message) for message in conversation]
-            texts.append(template.render(checked, add_generation_prompt, template_kwargs))
+            texts.append(template.render(checked, add_generation_prompt, template_kwargs, tools))
         except ValueError as error:
             raise ValueError(f"conversation {index}: {error}") from None
     token_ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
@@ -64,7 +67,22 @@ def _conversations(
     return list(messages)  # type: ignore[arg-type]
 
 
-def _message(message: Mapping[str, Any]) -> dict[str, str]:
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """OpenAI tool specs, checked as the server's request model checks them."""
+    if not isinstance(tools, Sequence) or isinstance(tools, str) or not tools:
+        raise ValueError(f"tools must be a non-empty list of tool specs, got {tools!r}")
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if tool.get("type") != "function" or not isinstance(name, str) or not name:
+            raise ValueError(
+                "each tool must be {'type': 'function', 'function': {'name': ..., "
+                f"'parameters': {{...}}}}, got {tool!r}"
+            )
+    return [dict(tool) for tool in tools]
+
+
+def _message(message: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ValueError(f"a message must be a mapping with a 'role' string, got {message!r}")
     content = message.get("content")
@@ -76,9 +94,14 @@ def _message(message: Mapping[str, Any]) -> dict[str, str]:
         text = "\n".join(part["text"] for part in content)
     else:
         raise ValueError(f"message content must be a string or text parts, got {content!r}")
-    checked = {"role": message["role"], "content": text}
+    checked: dict[str, Any] = {"role": message["role"], "content": text}
     if isinstance(message.get("name"), str):
         checked["name"] = message["name"]
+    # An assistant turn that called tools, and a tool's answer to one (as the server renders).
+    if isinstance(message.get("tool_calls"), list):
+        checked["tool_calls"] = message["tool_calls"]
+    if isinstance(message.get("tool_call_id"), str):
+        checked["tool_call_id"] = message["tool_call_id"]
     return checked
 
 

@@ -86,6 +86,9 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         reasoning_parser: str = "auto",
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str = "auto",
+        tool_call_parser: str = "auto",
     ) -> list[RequestOutput]:
         """Answer conversations: each is rendered with the chat template and generated from.
 
@@ -100,36 +103,66 @@ class LLM:
             reasoning_parser: as the server's `--reasoning-parser` (auto: `deepseek_r1` when the
                 template writes <think>); with one, each sequence's `reasoning_content` and
                 `content` hold its text split (its `text` stays whole).
+            tools: OpenAI tool specs (`{"type": "function", "function": {"name", "parameters"}}`)
+                for the template to render; each sequence's `tool_calls` then holds the calls
+                parsed out of its reply and `content` the text around them.
+            tool_choice: "auto" (the model may call the tools) or "none" (they are not offered).
+            tool_call_parser: as the server's `--tool-call-parser` (auto: `hermes` when the
+                template writes <tool_call>).
         Returns:
             One RequestOutput per conversation; its `prompt` is the rendered text.
         Raises:
-            ValueError: no chat template, the template refused a conversation, or `n` differs
-                from a params' `n`.
+            ValueError: no chat template, the template refused a conversation, malformed tools,
+                a tool_choice other than auto / none, tools without a tool-call parser, or `n`
+                differs from a params' `n`.
         """
-        from loopserve.entrypoints.chat_prompts import render_conversations
+        from loopserve.entrypoints.chat_prompts import check_tools, render_conversations
         from loopserve.entrypoints.reasoning import (
             opens_reasoning,
             split_reasoning,
             splits_reasoning,
         )
+        from loopserve.entrypoints.tool_calls import (
+            TOOL_CHOICES,
+            parse_tool_calls,
+            parses_tool_calls,
+        )
 
+        if tool_choice not in TOOL_CHOICES:
+            raise ValueError(
+                f"tool_choice must be one of {TOOL_CHOICES}, got {tool_choice!r}: 'required' and "
+                "a named function need constrained decoding, which loopserve does not have yet"
+            )
+        offered = check_tools(tools) if tools is not None and tool_choice == "auto" else None
         texts, token_ids, template = render_conversations(
             messages,
             self.tokenizer,
             chat_template,
             chat_template_kwargs,
             add_generation_prompt,
+            offered,
         )
         split = splits_reasoning(reasoning_parser, template)  # a bad name fails before generating
+        if offered is not None and not parses_tool_calls(tool_call_parser, template):
+            raise ValueError(
+                "tools were given but no tool-call parser runs (the chat template writes no "
+                "<tool_call>, or tool_call_parser is 'none'); pass tool_call_parser='hermes'"
+            )
         params = self._params_list(sampling_params, len(texts))
         outputs = self._generate(list(token_ids), params, n, use_tqdm)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
-            for sequence in output.outputs if split else ():
-                starts = opens_reasoning(text)
-                sequence.reasoning_content, sequence.content = split_reasoning(
-                    sequence.text, starts
-                )
+            for sequence in output.outputs:
+                content = sequence.text
+                if split:
+                    sequence.reasoning_content, content = split_reasoning(
+                        content, opens_reasoning(text)
+                    )
+                if offered is not None:
+                    content, calls = parse_tool_calls(content)
+                    sequence.tool_calls = calls
+                if split or offered is not None:
+                    sequence.content = content
         return outputs
 
     def _params_list(

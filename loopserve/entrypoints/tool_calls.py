@@ -12,21 +12,15 @@ know about requests (the chat writer feeds it the reply's content).
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
 
 from loopserve.entrypoints.reasoning import parser_runs, partial_tag
+from loopserve.outputs import ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
 # `--tool-call-parser` values.
 PARSERS = ("auto", "hermes", "none")
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+# `tool_choice` values that need no constrained decoding (the default with tools is "auto").
+TOOL_CHOICES = ("auto", "none")
 
 
 def parses_tool_calls(parser: str, chat_template: str | None) -> bool:

@@ -54,8 +54,8 @@ from loopserve.entrypoints.openai.serving import (
     usage,
 )
 from loopserve.entrypoints.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning
-from loopserve.entrypoints.tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
-from loopserve.outputs import RequestOutput, TokenLogprobs
+from loopserve.entrypoints.tool_calls import ToolCallStreamer, parse_tool_calls
+from loopserve.outputs import RequestOutput, TokenLogprobs, ToolCall
 
 
 async def create_chat_completion(request: Request, context: ServingContext) -> Response:
