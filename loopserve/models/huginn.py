@@ -22,6 +22,7 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from loopserve.models.huginn_config import HuginnConfig
 from loopserve.models.layers import LoopContext
@@ -36,13 +37,29 @@ STATE_STREAM = 1 << 62
 _LOW, _HIGH = 0.5 * math.erfc(3 / math.sqrt(2)), 0.5 * math.erfc(-3 / math.sqrt(2))
 
 
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ops: ModelOps,
+    stage: bool,
+    rows: torch.Tensor | None,
+    swiglu: bool = False,
+) -> torch.Tensor:
+    """A projection of a block layer (every row, cuBLAS) or of a prelude / coda layer (only the
+    rows a decode step needs, `ModelOps.stage_linear`)."""
+    if stage:
+        return ops.stage_linear(x, weight, rows, swiglu)
+    return ops.swiglu(x, weight) if swiglu else F.linear(x, weight)
+
+
 class HuginnAttention(nn.Module):
     """q, k, v = Wqkv(x) (every head its own K/V); q and k get the QK bias, then RoPE."""
 
-    def __init__(self, config: HuginnConfig) -> None:
+    def __init__(self, config: HuginnConfig, stage: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
+        self.stage = stage
         hidden = config.hidden_size
         self.Wqkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.qk_bias = (
@@ -53,11 +70,16 @@ class HuginnAttention(nn.Module):
         self.proj = nn.Linear(hidden, hidden, bias=False)
 
     def forward(
-        self, x: torch.Tensor, layer_index: int, ctx: LoopContext, ops: ModelOps
+        self,
+        x: torch.Tensor,
+        layer_index: int,
+        ctx: LoopContext,
+        ops: ModelOps,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         shape = (tokens, self.num_heads, self.head_dim)
-        qkv = self.Wqkv(x)
+        qkv = _linear(x, self.Wqkv.weight, ops, self.stage, rows)
         qk, v = qkv[:, : 2 * x.shape[1]], qkv[:, 2 * x.shape[1] :]
         if self.qk_bias is not None:  # [q, k] of a token stay side by side, as fused RoPE wants
             qk = qk + self.qk_bias.reshape(-1)
@@ -66,41 +88,54 @@ class HuginnAttention(nn.Module):
         if not ctx.attention_rotates:
             q, k = ops.rotary(q, k, ctx.cos, ctx.sin)
         out = ctx.attention(layer_index, q, k, v)  # [T, heads, D]
-        return self.proj(out.reshape(tokens, -1))
+        return _linear(out.reshape(tokens, -1), self.proj.weight, ops, self.stage, rows)
 
 
 class GatedMLP(nn.Module):
     """proj(silu(a) * b) with [a, b] = fc(x)."""
 
-    def __init__(self, config: HuginnConfig) -> None:
+    def __init__(self, config: HuginnConfig, stage: bool) -> None:
         super().__init__()
+        self.stage = stage
         self.fc = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        return ops.down_proj(ops.swiglu(x, self.fc.weight), self.proj.weight)
+    def forward(
+        self, x: torch.Tensor, ops: ModelOps, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        activated = _linear(x, self.fc.weight, ops, self.stage, rows, swiglu=True)
+        if not self.stage:
+            return ops.down_proj(activated, self.proj.weight)
+        return ops.stage_linear(activated, self.proj.weight, rows)
 
 
 class SandwichBlock(nn.Module):
-    """h = N2(x + Attn(N1(x))); y = N4(h + MLP(N3(h)))."""
+    """h = N2(x + Attn(N1(x))); y = N4(h + MLP(N3(h))). `stage`: a prelude or coda layer, whose
+    projections take the rows a decode step needs (`rows`)."""
 
-    def __init__(self, config: HuginnConfig) -> None:
+    def __init__(self, config: HuginnConfig, stage: bool) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         hidden = config.hidden_size
         self.norm_1 = RMSNorm(hidden, eps)
-        self.attn = HuginnAttention(config)
+        self.attn = HuginnAttention(config, stage)
         self.norm_2 = RMSNorm(hidden, eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config, stage)
         self.norm_3 = RMSNorm(hidden, eps)
         self.norm_4 = RMSNorm(hidden, eps)
 
     def forward(
-        self, x: torch.Tensor, kv_layer: int, ctx: LoopContext, ops: ModelOps
+        self,
+        x: torch.Tensor,
+        kv_layer: int,
+        ctx: LoopContext,
+        ops: ModelOps,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attended = self.attn(ops.rms_norm(x, self.norm_1), kv_layer, ctx, ops)
+        attended = self.attn(ops.rms_norm(x, self.norm_1), kv_layer, ctx, ops, rows)
         _, h = ops.add_norm(attended, x, None, self.norm_2)
-        _, y = ops.add_norm(self.mlp(ops.rms_norm(h, self.norm_3), ops), h, None, self.norm_4)
+        mlp = self.mlp(ops.rms_norm(h, self.norm_3), ops, rows)
+        _, y = ops.add_norm(mlp, h, None, self.norm_4)
         return y
 
 
@@ -112,14 +147,14 @@ class HuginnBody(nn.Module):
         super().__init__()
         hidden = config.hidden_size
 
-        def stack(count: int) -> nn.ModuleList:
-            return nn.ModuleList(SandwichBlock(config) for _ in range(count))
+        def stack(count: int, stage: bool) -> nn.ModuleList:
+            return nn.ModuleList(SandwichBlock(config, stage) for _ in range(count))
 
         self.wte = nn.Embedding(config.vocab_size, hidden)
-        self.prelude = stack(config.prelude_layers)
+        self.prelude = stack(config.prelude_layers, stage=True)
         self.adapter = nn.Linear(2 * hidden, hidden, bias=False)
-        self.core_block = stack(config.num_hidden_layers)
-        self.coda = stack(config.coda_layers)
+        self.core_block = stack(config.num_hidden_layers, stage=False)
+        self.coda = stack(config.coda_layers, stage=True)
         self.ln_f = RMSNorm(hidden, config.rms_norm_eps)
 
     def blocks(self, stage: str) -> list[SandwichBlock]:
@@ -202,12 +237,13 @@ class HuginnForCausalLM(LoopedForCausalLM):
         positions: torch.Tensor,
         seeds: torch.Tensor,
         ctx: LoopContext | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[s0, e]: the seeded initial state and the prelude's output, [T, 2H]."""
         e = self.embed(input_ids)
         for index, layer in enumerate(self.transformer.blocks("prelude")):
             assert ctx is not None, "Huginn's prelude layers need their attention context"
-            e = layer(e, self._prelude_kv + index, ctx, self.ops)
+            e = layer(e, self._prelude_kv + index, ctx, self.ops, rows)
         return torch.cat([self.initial_state(seeds, positions), e], dim=-1)
 
     def run_loop(self, hidden: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
@@ -266,11 +302,16 @@ class HuginnForCausalLM(LoopedForCausalLM):
             memory = log_probs
         return (change < threshold).float(), memory
 
-    def coda(self, hidden: torch.Tensor, ctx: LoopContext | None = None) -> torch.Tensor:
+    def coda(
+        self,
+        hidden: torch.Tensor,
+        ctx: LoopContext | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """ln_f, the coda layers, ln_f again: the state [T, 2H] -> the LM head's input [T, H]."""
         ln_f = self.transformer.ln_f
         x = self.ops.rms_norm(hidden[:, : self.config.hidden_size].contiguous(), ln_f)
         for index, layer in enumerate(self.transformer.blocks("coda")):
             assert ctx is not None, "Huginn's coda layers need their attention context"
-            x = layer(x, self._coda_kv + index, ctx, self.ops)
+            x = layer(x, self._coda_kv + index, ctx, self.ops, rows)
         return self.ops.rms_norm(x, ln_f)

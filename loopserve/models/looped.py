@@ -156,10 +156,12 @@ class LoopedForCausalLM(nn.Module):
         positions: torch.Tensor,
         seeds: torch.Tensor,
         ctx: LoopContext | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The prelude: input_ids [T] (at `positions` [T], with the state seeds [T] of a family
         whose state starts random) -> the block's first input [T, carried_size]; `ctx` is the
-        prelude layers' attention (families with `has_stage_layers`)."""
+        prelude layers' attention (families with `has_stage_layers`); `rows` [T] bool: the rows
+        whose output is used (prelude layers may skip the others' work; None: all)."""
         return self.embed(input_ids)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,11 +220,17 @@ class LoopedForCausalLM(nn.Module):
         """The exit readout: a loop's output [T, carried] -> fp32 logits [T, V]; `rows` [T] bool:
         only those rows' are needed (the others are 0, and the fused ops skip their work); `ctx`
         is the coda layers' attention (families with `has_stage_layers`)."""
-        return self.head(self.coda(hidden, ctx), rows)
+        return self.head(self.coda(hidden, ctx, rows), rows)
 
-    def coda(self, hidden: torch.Tensor, ctx: LoopContext | None = None) -> torch.Tensor:
+    def coda(
+        self,
+        hidden: torch.Tensor,
+        ctx: LoopContext | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """A loop's output [T, carried] -> the LM head's input [T, H]: the final norm where the
-        loops skip it, else nothing (a family with coda layers runs them here)."""
+        loops skip it, else nothing (a family with coda layers runs them here, only for `rows`
+        where a decode step gives them)."""
         return self.ops.rms_norm(hidden, self.model.norm) if self.skips_loop_norm else hidden
 
     def head(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -71,6 +71,17 @@ class ModelOps(Protocol):
         """activated W^T: the MLP's down projection."""
         ...
 
+    def stage_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: torch.Tensor | None,
+        swiglu: bool = False,
+    ) -> torch.Tensor:
+        """x W^T (with `swiglu`, silu_mul of its halves) in a prelude or coda layer; `rows` [T]
+        bool: the rows a decode step needs (a step where none is needed need read no weight)."""
+        ...
+
     def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
@@ -116,6 +127,16 @@ class TorchOps:
 
     def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(activated, weight)
+
+    def stage_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: torch.Tensor | None,
+        swiglu: bool = False,
+    ) -> torch.Tensor:
+        """Every row (the rows not needed are computed and left unused)."""
+        return self.swiglu(x, weight) if swiglu else F.linear(x, weight)
 
     def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
@@ -205,6 +226,20 @@ class TritonOps(TorchOps):
         from loopserve.kernels.matmul import gate_logit
 
         return gate_logit(hidden, weight, bias, sigmoid=True).squeeze(-1)
+
+    def stage_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: torch.Tensor | None,
+        swiglu: bool = False,
+    ) -> torch.Tensor:
+        """kernels/matmul.py's masked matmul, as the LM head's: a program whose rows are all
+        unneeded stores zeros without reading its weights, and a row's bits do not depend on the
+        mask or the row count (so the serial reference, unmasked, gets the engine's bits)."""
+        from loopserve.kernels.matmul import linear
+
+        return linear(x.contiguous(), weight, rows_wanted=rows, swiglu=swiglu)
 
     def lm_head(
         self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None

@@ -214,11 +214,13 @@ class DecodeStep:
         position = self.position[:rows]
         cos, sin = self.model.rope(position)
         starts = row.loop == 1
+        beginning = ran & starts
         first = self.model.start(
             self.token[:rows],
             position,
             self.seed[:rows],
-            self._stage_context(ran & starts, row, position, cos, sin),
+            self._stage_context(beginning, row, position, cos, sin),
+            rows=beginning,
         )
         hidden = torch.where(starts[:, None], first, self.hidden[:rows])
         plane = self.layout.decode_plane(row.loop, row.max_loops)

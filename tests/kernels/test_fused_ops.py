@@ -154,3 +154,39 @@ def test_lm_head_computes_the_rows_asked_for(device: torch.device, dtype: torch.
         rtol=tolerance,
         atol=tolerance,
     )
+
+
+def test_huginn_stage_layers_compute_the_rows_asked_for(device: torch.device) -> None:
+    """Huginn's prelude and coda through the masked matmul (fp32): the rows a decode step asks
+    for equal the torch ops' (whatever the mask), so skipping the others' weights changes
+    nothing that is used. Each row attends to itself only, as decode rows of separate requests."""
+    from loopserve.models.families import preset_config
+    from loopserve.models.loader import build_model
+
+    config = preset_config("huginn-tiny")
+    model = build_model(config)
+    weights = random_state_dict(config, seed=6)
+    model.load_state_dict({k: model.load_transform(k, v) for k, v in weights.items()}, strict=False)
+    model.tie_weights()
+    model = model.to(device).eval()
+    tokens = 7
+    ids = torch.arange(3, 3 + tokens, device=device)
+    positions = torch.arange(tokens, device=device) + 5
+    seeds = torch.full_like(positions, 9)
+    cos, sin = model.rope(positions)
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return v  # one key per row: softmax gives its value
+
+    context = LoopContext(cos, sin, attention)
+    rows = torch.tensor([True, False, True, True, False, False, True], device=device)
+    with torch.inference_mode():
+        first = model.start(ids, positions, seeds, context)
+        logits = model.compute_logits(model.run_loop(first, context), ctx=context)
+        model.ops = TritonOps()
+        fused_first = model.start(ids, positions, seeds, context, rows=rows)
+        looped = model.run_loop(fused_first, context)
+        fused_logits = model.compute_logits(looped, rows=rows, ctx=context)
+    torch.testing.assert_close(fused_first[rows], first[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_logits[rows], logits[rows], rtol=1e-4, atol=1e-4)
+    assert not fused_logits[~rows].any()

@@ -63,6 +63,7 @@ class FakeLoopedModel:
         positions: torch.Tensor,
         seeds: torch.Tensor,
         ctx: LoopContext | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = torch.zeros(input_ids.shape[0], HIDDEN)
         hidden[:, 1] = input_ids.float()
@@ -85,7 +86,12 @@ class FakeLoopedModel:
         loops = hidden[:, 0].long().tolist()
         return torch.tensor([self.hazards.get(loop, 0.0) for loop in loops])
 
-    def coda(self, hidden: torch.Tensor, ctx: LoopContext | None = None) -> torch.Tensor:
+    def coda(
+        self,
+        hidden: torch.Tensor,
+        ctx: LoopContext | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return hidden
 
     def compute_logits(
