@@ -48,28 +48,5 @@ timeout 300 "$PYTHON" -m loopserve.entrypoints.cli bench offline --model "$MODEL
   >"$OUT/bench.log" 2>&1
 say "bench rc=$?"
 
-if ! "$PYTHON" -c "import fastapi, uvicorn, pydantic, jinja2" 2>/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --target /tmp/serve-site .carry/serve/*.whl \
-    >>"$LOG" 2>&1
-  export PYTHONPATH="$PYTHONPATH:/tmp/serve-site"
-fi
-"$PYTHON" -m loopserve.entrypoints.cli serve --model "$MODEL_DIR" --port "$PORT" \
-  >"$OUT/serve.log" 2>&1 &
-server=$!
-if waited=$(wait_healthy "$PORT" "$server" 150); then
-  "$PYTHON" - "$PORT" >>"$OUT/serve.log" 2>&1 <<'PY'
-import json, sys, urllib.request
-body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
-request = urllib.request.Request(
-    f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions", json.dumps(body).encode(),
-    {"Content-Type": "application/json"},
-)
-print("chat:", urllib.request.urlopen(request, timeout=60).read().decode())
-PY
-  say "serve healthy after ${waited} s; $(grep -c 'chat:' "$OUT/serve.log") chat reply"
-else
-  say "serve did not become healthy (${waited} s)"
-fi
-kill "$server" 2>/dev/null
-wait "$server" 2>/dev/null
+say "$(serve_and_chat "$MODEL_DIR" "$PORT" "$OUT/serve.log")"
 say "done"

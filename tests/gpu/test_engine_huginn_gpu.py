@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopserve.config import EngineConfig
-from loopserve.engine.engine import Engine
 from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoint
 from loopserve.models.families import preset_config
 from loopserve.reference import SerialReference
-from loopserve.sampling_params import SamplingParams
-from tests.gpu.test_engine_gpu import prompts, run
+from tests.gpu.test_engine_gpu import mixed_params, prompts, run
+from tests.gpu.test_engine_nanbeige_gpu import engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,30 +52,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(directory, config, seed=5, init=RandomInit(weight_scale=0.5))
 
 
-def huginn_params(count: int, threshold: float) -> list[SamplingParams]:
-    return [
-        SamplingParams(
-            max_tokens=20 + 5 * (i % 4),
-            temperature=0.0 if i % 2 else 0.9,
-            top_p=0.95,
-            seed=100 + i,
-            ignore_eos=True,
-            exit_threshold=threshold,
-        )
-        for i in range(count)
-    ]
-
-
-def engine(checkpoint: Path, dtype: str, **options: object) -> Engine:
-    settings = {"max_num_seqs": 32, "num_kv_pages": 4096, "prefill_chunk_size": 64}
-    return Engine(
-        EngineConfig.from_options(
-            model=str(checkpoint), device="cuda", dtype=dtype, attention_backend="triton",
-            **(settings | options),
-        )
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
 @pytest.mark.parametrize(
     ("exit_mode", "threshold", "criterion"),
@@ -101,7 +75,7 @@ def test_fp32_engine_equals_reference(
         scheduling=scheduling,
         exit_criterion=criterion,
     )
-    batch, params = prompts(10), huginn_params(10, threshold)
+    batch, params = prompts(10), mixed_params(10, threshold)
     results = run(fp32, batch, params)
     reference = SerialReference(
         fp32.runner.model,  # type: ignore[attr-defined]
@@ -121,7 +95,7 @@ def test_fp32_engine_equals_reference(
 def test_bf16_graphs_equal_eager(
     checkpoint: Path, exit_mode: str, threshold: float, criterion: str
 ) -> None:
-    batch, params = prompts(24, seed=1), huginn_params(24, threshold)
+    batch, params = prompts(24, seed=1), mixed_params(24, threshold)
     options = {"exit_mode": exit_mode, "exit_criterion": criterion}
     graphed = run(engine(checkpoint, "bfloat16", **options), batch, params)
     eager = run(engine(checkpoint, "bfloat16", cuda_graphs=False, **options), batch, params)
@@ -130,7 +104,7 @@ def test_bf16_graphs_equal_eager(
 
 
 def test_bf16_request_alone_equals_inside_a_batch_of_32(checkpoint: Path) -> None:
-    batch, params = prompts(32, seed=2), huginn_params(32, 0.5)
+    batch, params = prompts(32, seed=2), mixed_params(32, 0.5)
     together = run(engine(checkpoint, "bfloat16", kv_layout="shared"), batch, params)
     for index in (0, 7, 31):
         alone = run(
