@@ -193,11 +193,12 @@ class Engine:
         threshold = params.exit_threshold
         if threshold is None:
             threshold = self.model_config.early_exit_threshold
-        if threshold < 1.0 and not self.model_config.has_exit_gate:
+        if threshold < 1.0 and not self.model_config.has_exit_rule:
             raise ValueError(
-                f"exit_threshold {threshold} asks for gate exits, but {self.model_config.family} "
-                "models have no exit gate: leave it unset (every token runs max_loops loops) or "
-                "use exit_mode 'trace'"
+                f"exit_threshold {threshold} asks for adaptive exits, but "
+                f"{self.model_config.family} models have no exit rule (no gate, no convergence "
+                "test): leave it unset (every token runs max_loops loops) or use exit_mode "
+                "'trace'"
             )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return ResolvedParams(

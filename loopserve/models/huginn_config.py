@@ -76,7 +76,7 @@ class HuginnConfig(LoopedConfig):
     """Shape and constants of a Huginn model; the defaults are Huginn-0125's."""
 
     family: ClassVar[str] = "huginn"
-    has_exit_gate: ClassVar[bool] = True  # its exit rule: convergence between loops
+    has_exit_rule: ClassVar[bool] = True  # its exit rule: convergence between loops
     exit_criteria: ClassVar[tuple[str, ...]] = tuple(CONVERGENCE_THRESHOLDS)
 
     vocab_size: int = 65536

@@ -98,7 +98,7 @@ class LoopedConfig:
     # The family's name and whether it has an exit rule of its own (an exit hazard per loop:
     # Ouro's gate, Huginn's convergence test).
     family: ClassVar[str] = ""
-    has_exit_gate: ClassVar[bool] = False
+    has_exit_rule: ClassVar[bool] = False
     # The family's exit criteria (`exit_criterion`), its default first; none without a rule.
     exit_criteria: ClassVar[tuple[str, ...]] = ()
 
@@ -353,9 +353,9 @@ def validate_common(config: LoopedConfig) -> None:
         raise ConfigError(
             f"early_exit_threshold must be in (0, 1], got {config.early_exit_threshold}"
         )
-    if not config.has_exit_gate and config.early_exit_threshold < 1.0:
+    if not config.has_exit_rule and config.early_exit_threshold < 1.0:
         raise ConfigError(
-            f"{config.family or 'this family'} has no exit gate, so its early_exit_threshold "
+            f"{config.family or 'this family'} has no exit rule, so its early_exit_threshold "
             "must be 1.0 (fixed depth)"
         )
     if config.rms_norm_eps <= 0 or config.rope_theta <= 0:

@@ -64,7 +64,7 @@ class NanbeigeConfig(LoopedConfig):
     """Shape and constants of a Nanbeige4.2 model; the defaults are Nanbeige4.2-3B's."""
 
     family: ClassVar[str] = "nanbeige"
-    has_exit_gate: ClassVar[bool] = False
+    has_exit_rule: ClassVar[bool] = False
 
     vocab_size: int = 166144
     hidden_size: int = 3072

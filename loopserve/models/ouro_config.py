@@ -37,7 +37,7 @@ class OuroConfig(LoopedConfig):
     """Shape and constants of an Ouro model; the defaults are Ouro-1.4B's (`LoopedConfig`'s)."""
 
     family: ClassVar[str] = "ouro"
-    has_exit_gate: ClassVar[bool] = True
+    has_exit_rule: ClassVar[bool] = True
     exit_criteria: ClassVar[tuple[str, ...]] = ("gate",)
 
     @classmethod

@@ -125,23 +125,26 @@ def _check_explicit_pages(pages: int, bytes_per_page: int, device: torch.device)
         )
 
 
-def slot_bytes(config: EngineConfig, model_config: LoopedConfig, element_size: int) -> int:
+def slot_bytes(
+    config: EngineConfig, model_config: LoopedConfig, element_size: int, carried_size: int
+) -> int:
     """Rough bytes of one request slot besides its KV pages: its block-table rows (int32, every
-    plane, the longest request), the decode step's per-slot state (a hidden vector, a few dozen
-    scalars, stop ids, trace depths) and its row's float32 logits and sampling buffers."""
+    plane, the longest request), the decode step's per-slot state (what a loop carries,
+    `carried_size` values; a few dozen scalars, stop ids, trace depths) and its row's float32
+    logits and sampling buffers (an exit criterion's memory of a distribution is one more such
+    row)."""
     length = config.max_model_len or model_config.max_position_embeddings
     table = 4 * model_config.num_loops * pages_for(length, config.scheduler.block_size)
-    state = model_config.hidden_size * element_size + 1024 + length
-    return table + state + 3 * 4 * model_config.vocab_size
+    state = carried_size * element_size + 1024 + length
+    return table + state + 4 * 4 * model_config.vocab_size
 
 
-def check_slot_state(
-    config: EngineConfig, model_config: LoopedConfig, element_size: int, device: torch.device
-) -> None:
+def check_slot_state(config: EngineConfig, model: LoopedForCausalLM, device: torch.device) -> None:
     """`max_num_seqs` request slots must fit in the memory free, before anything is allocated
     for them (or profiled with them)."""
     slots, default = config.scheduler.max_num_seqs, SchedulerConfig().max_num_seqs
-    needed = slots * slot_bytes(config, model_config, element_size)
+    element = model.dtype.itemsize
+    needed = slots * slot_bytes(config, model.config, element, model.carried_size)
     if needed > free_memory(device):
         raise ValueError(
             f"{option_name('max_num_seqs')} {slots}: the state of that many request slots (block "

@@ -147,7 +147,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         model_config.head_dim,
         model.dtype,
     )
-    check_slot_state(config, model_config, model.dtype.itemsize, device)
+    check_slot_state(config, model, device)
     num_pages = num_kv_pages(config, model, bytes_per_page, device)
     max_model_len = resolve_max_model_len(config, model_config, num_pages)
     spec = _attention_spec(config, model, device)

@@ -62,7 +62,7 @@ def test_chat_ends_at_im_end(llm: LLM) -> None:
 
 
 def test_gate_exits_are_refused_and_traces_run(llm: LLM, nanbeige_dir: Path) -> None:
-    with pytest.raises(ValueError, match="nanbeige models have no exit gate"):
+    with pytest.raises(ValueError, match="nanbeige models have no exit rule"):
         llm.generate([[5, 6, 7]], SamplingParams(exit_threshold=0.5))
     traced = LLM(str(nanbeige_dir), kv_cache_memory_gb=0.25, exit_mode="trace")
     (output,) = traced.generate(

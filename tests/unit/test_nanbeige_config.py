@@ -17,7 +17,7 @@ from tests.published_configs import NANBEIGE_4_2_3B_CONFIG
 def test_the_published_config_loads_with_its_values() -> None:
     config = config_from_dict(NANBEIGE_4_2_3B_CONFIG)
     assert isinstance(config, NanbeigeConfig)
-    assert (config.family, config.has_exit_gate) == ("nanbeige", False)
+    assert (config.family, config.has_exit_rule) == ("nanbeige", False)
     assert (config.num_hidden_layers, config.num_loops, config.skip_loop_final_norm) == (
         22,
         2,
@@ -93,7 +93,7 @@ def test_unknown_fields_and_other_families_are_refused() -> None:
 
 
 def test_no_exit_gate_means_fixed_depth() -> None:
-    with pytest.raises(ConfigError, match="no exit gate"):
+    with pytest.raises(ConfigError, match="no exit rule"):
         NanbeigeConfig(early_exit_threshold=0.5)
 
 

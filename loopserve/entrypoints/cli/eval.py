@@ -170,10 +170,10 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         held_out_fraction=args.held_out_fraction or trained.get("held_out_fraction", 0.05),
         max_files=trained.get("max_files"),
     ).to(device)
-    if thresholds and (not model.config.has_exit_gate or model.has_stage_layers):
+    if thresholds and (not model.config.has_exit_rule or model.has_stage_layers):
         reason = (
-            "has no exit gate: exit thresholds do not apply"
-            if not model.config.has_exit_gate
+            "has no exit rule: exit thresholds do not apply"
+            if not model.config.has_exit_rule
             else "has coda layers, whose early-exit perplexity is not implemented"
         )
         print(
