@@ -22,8 +22,9 @@ from loopserve.models.generation_config import GenerationDefaults
 from loopserve.models.model_config import LoopedConfig
 from loopserve.tokenizer import Tokenizer
 
-# Tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Phi-3, Gemma).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# Tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Phi-3, Gemma, and
+# Huginn-0125's, whose official generation stops at `<|end_turn|>` too).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_turn|>")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from loopserve.models.ouro_config import OuroConfig
 from loopserve.tokenizer import Tokenizer
 
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|end_turn|>"]
 MODEL = OuroConfig(vocab_size=320, eos_token_ids=(0,))
 
 
@@ -52,6 +52,18 @@ def test_a_template_without_the_end_of_turn_token_adds_nothing(backend: BackendT
     )
     assert end_of_sequence(MODEL, GenerationDefaults(), tokenizer).token_ids == {0, 2}  # eos_token
     assert end_of_sequence(MODEL, GenerationDefaults(), Tokenizer(backend, {})).token_ids == {0}
+
+
+def test_huginns_end_of_turn_token_ends_chat_turns(backend: BackendTokenizer) -> None:
+    """Huginn-0125's official generation stops at <|end_turn|> (id 65508) besides its eos
+    <|end_text|>; a template that writes it makes it a stop token here too."""
+    template = (
+        "{% for m in messages %}<|begin_header|>{{ m.role }}<|end_header|>\n\n{{ m.content }}"
+        "<|end_turn|>{% endfor %}"
+    )
+    tokenizer = Tokenizer(backend, {"chat_template": template})
+    found = end_of_sequence(MODEL, GenerationDefaults(), tokenizer)
+    assert found.token_ids == {0, 4} and "4 (<|end_turn|> ends chat turns)" in found.describe()
 
 
 def test_ids_the_model_cannot_generate_are_left_out(backend: BackendTokenizer) -> None:
