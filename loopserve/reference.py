@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -188,8 +189,7 @@ class SerialReference:
                     kv.append(plane, layer, k, v)  # its loop-d version, at position `position`
                     return attend(q, *kv.get(plane, layer), causal=False)
                 # `shared`: earlier tokens through their final version, itself at this loop.
-                keys, values = final.get(0, layer)
-                return attend(q, torch.cat([keys, k]), torch.cat([values, v]), causal=False)
+                return _attend_beside(final, layer, q, k, v)
 
             previous = hidden
             hidden = self.model.run_loop(hidden, LoopContext(cos, sin, attention))
@@ -263,15 +263,19 @@ class SerialReference:
         return out.finish_reason is not None
 
 
+def _attend_beside(
+    kept: _DenseKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """One token's attention over every earlier token's kept version (plane 0 of `kept`) and
+    its own current K/V, keeping nothing."""
+    keys, values = kept.get(0, layer)
+    return attend(q, torch.cat([keys, k]), torch.cat([values, v]), causal=False)
+
+
 def _peeking(stages: _DenseKV) -> AttentionFn:
-    """Attention of a token's coda over every earlier token's kept version and its own current
-    one, keeping nothing (a criterion that reads every loop's logits)."""
-
-    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = stages.get(0, layer)
-        return attend(q, torch.cat([keys, k]), torch.cat([values, v]), causal=False)
-
-    return attention
+    """The coda's attention for a criterion that reads every loop's logits: the token's coda
+    K/V are not kept until it exits."""
+    return partial(_attend_beside, stages)
 
 
 @torch.inference_mode()

@@ -265,10 +265,6 @@ class HuginnForCausalLM(LoopedForCausalLM):
         return (change < threshold).float()
 
     @property
-    def exit_needs_readout(self) -> bool:
-        return self.exit_criterion in ("entropy-diff", "kl", "minp-kl")
-
-    @property
     def exit_memory_size(self) -> int:
         sizes = {"entropy-diff": 1, "kl": self.config.vocab_size, "minp-kl": self.config.vocab_size}
         return sizes.get(self.exit_criterion, 0)

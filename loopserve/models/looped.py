@@ -192,8 +192,8 @@ class LoopedForCausalLM(nn.Module):
     @property
     def exit_needs_readout(self) -> bool:
         """Whether the exit criterion reads each loop's logits (`readout_exit`) rather than its
-        output (`exit_probability`)."""
-        return False
+        output (`exit_probability`): the criteria that carry a memory between loops do."""
+        return self.exit_memory_size > 0
 
     @property
     def exit_memory_size(self) -> int:

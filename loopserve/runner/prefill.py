@@ -19,6 +19,7 @@ from loopserve.attention.base import AttentionBackend
 from loopserve.attention.paged import PagedAttention
 from loopserve.engine.scheduler_output import PrefillChunk, SampledToken
 from loopserve.kv.layout import KVLayout
+from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage
 from loopserve.kv.transfer import to_device
 from loopserve.models.layers import LoopContext
@@ -54,13 +55,14 @@ class PromptRunner:
         )
         cos, sin = self.model.rope(positions)
         seeds = torch.full_like(positions, PROMPT_STATE_SEED)
+        stages = self._stage_passes(chunks, query_start, positions)
 
         def prelude(tokens: torch.Tensor | None, ctx: LoopContext | None) -> torch.Tensor:
             if tokens is None:
                 return self.model.start(token_ids, positions, seeds, ctx)
             return self.model.start(token_ids[tokens], positions[tokens], seeds[tokens], ctx)
 
-        hidden = self._by_last_plane(chunks, query_start, positions, cos, sin, prelude)
+        hidden = self._run_stage(stages, cos, sin, prelude)
         for loop in range(1, max(chunk.num_loops for chunk in chunks) + 1):
             # The chunks still running (requests with fewer loops are done).
             active = [index for index, chunk in enumerate(chunks) if chunk.num_loops >= loop]
@@ -75,11 +77,13 @@ class PromptRunner:
         finishing = [index for index, chunk in enumerate(chunks) if chunk.completes_prompt]
         last = [query_start[index + 1] - 1 for index in finishing]
 
-        # The coda runs on every prompt token: later tokens' coda layers read their K/V.
         def coda(tokens: torch.Tensor | None, ctx: LoopContext | None) -> torch.Tensor:
             return self.model.coda(hidden if tokens is None else hidden[tokens], ctx)
 
-        readout = self._by_last_plane(chunks, query_start, positions, cos, sin, coda)[last]
+        if stages is None:  # no coda layers: only the sampled positions' readout is needed
+            readout = self.model.coda(hidden[last])
+        else:  # the coda runs on every prompt token: later tokens' coda layers read their K/V
+            readout = self._run_stage(stages, cos, sin, coda)[last]
         results: list[SampledToken | None] = [None] * len(chunks)
         if finishing:
             logits = self.model.head(readout)
@@ -91,41 +95,48 @@ class PromptRunner:
                 results[row] = token
         return results
 
-    def _by_last_plane(
-        self,
-        chunks: list[PrefillChunk],
-        query_start: list[int],
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        stage: Callable[[torch.Tensor | None, LoopContext | None], torch.Tensor],
-    ) -> torch.Tensor:
-        """`stage` (the prelude or the coda) over every token of the chunks, its layers' K/V in
-        each request's last plane (one pass per distinct loop count): stage(tokens, ctx) gets
-        the indices of a pass's tokens (None: all of them) and their attention (None for
-        families without prelude and coda layers)."""
+    def _stage_passes(
+        self, chunks: list[PrefillChunk], query_start: list[int], positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor | None, AttentionMetadata]] | None:
+        """The passes of the prelude and coda layers over every token of the chunks, their K/V in
+        each request's last plane: one per distinct loop count, as (the pass's token indices,
+        None for all of them; its metadata); None for a family without such layers."""
         if not self.model.has_stage_layers:
-            return stage(None, None)
+            return None
         groups: dict[int, list[int]] = {}
         for index, chunk in enumerate(chunks):
             groups.setdefault(chunk.num_loops, []).append(index)
-        outputs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        passes = []
         for loops, members in groups.items():
-            every = len(members) == len(chunks)
             tokens = (
                 None
-                if every
+                if len(members) == len(chunks)
                 else self._long([t for i in members for t in range(*query_start[i : i + 2])])
             )
             picked = positions if tokens is None else positions[tokens]
             prompt = self._pass(chunks, members, loops, picked)
-            metadata = self.block_tables.prefill_metadata(prompt)
+            passes.append((tokens, self.block_tables.prefill_metadata(prompt)))
+        return passes
+
+    def _run_stage(
+        self,
+        passes: list[tuple[torch.Tensor | None, AttentionMetadata]] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        stage: Callable[[torch.Tensor | None, LoopContext | None], torch.Tensor],
+    ) -> torch.Tensor:
+        """`stage` (the prelude or the coda) over every token, pass by pass: stage(tokens, ctx)
+        gets a pass's token indices (None: all of them) and its attention (None: no passes)."""
+        if passes is None:
+            return stage(None, None)
+        outputs = []
+        for tokens, metadata in passes:
             attention = PagedAttention(self.backend, self.kv, metadata)
             rows = slice(None) if tokens is None else tokens
             outputs.append((tokens, stage(tokens, LoopContext(cos[rows], sin[rows], attention))))
         if outputs[0][0] is None:
             return outputs[0][1]
-        result = outputs[0][1].new_empty((positions.shape[0], outputs[0][1].shape[1]))
+        result = outputs[0][1].new_empty((cos.shape[0], outputs[0][1].shape[1]))
         for tokens, output in outputs:
             result[tokens] = output
         return result
