@@ -21,6 +21,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from loopserve.structured_outputs import StructuredOutputsParams
+
 # Most log-probability alternatives a request may ask for.
 MAX_LOGPROBS = 20
 # Seeds and stop token ids are stored as signed 64-bit integers.
@@ -85,6 +87,11 @@ class SamplingParams:
         None,
         "`trace` exit mode: the exit depth of each generated token after the first (the first "
         "always runs max_loops; missing entries run max_loops)",
+    )
+    structured_outputs: StructuredOutputsParams | None = _setting(
+        None,
+        "constrain the output: a JSON object with one of json (a schema), regex, choice (a list), "
+        "grammar (Lark or GBNF) or json_object (true); default: free text",
     )
     priority: int = _setting(
         0,
@@ -158,6 +165,8 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
         (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         if value is None:
             return None
+    if hint is StructuredOutputsParams:
+        return StructuredOutputsParams.from_dict(value)
     if typing.get_origin(hint) is tuple:
         element = typing.get_args(hint)[0]
         if not isinstance(value, tuple):

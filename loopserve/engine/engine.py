@@ -127,6 +127,11 @@ class Engine:
                 f"an engine request runs one sequence, got n={params.n}: add n requests (seed + i "
                 "for sequence i, as LLM.generate does) or use LLM.generate"
             )
+        if params.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs: constrained decoding is not served yet (the decode step does "
+                "not apply token masks); leave it unset"
+            )
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self._prompt_ids(prompt)
         resolved = self.resolve(params)

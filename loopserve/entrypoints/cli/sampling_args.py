@@ -7,7 +7,8 @@ not: restate a default or a help text: `generate --help` shows `SamplingParams()
 new field gets its flag here without any change to this file (the approach of `engine_args`).
 
 Field types map to flags: bool -> `--name/--no-name`; `int`, `float` (optionally `| None`) ->
-that type; `tuple[str, ...]` -> a repeatable flag; `tuple[int, ...]` -> comma-separated integers.
+that type; `tuple[str, ...]` -> a repeatable flag; `tuple[int, ...]` -> comma-separated integers;
+`StructuredOutputsParams` -> a JSON object (`--structured-outputs '{"regex": "[0-9]+"}'`).
 Each flag stores into `sampling_<field>`, apart from the engine's flags (`--engine-seed` is the
 engine's `seed`).
 """
@@ -22,6 +23,7 @@ from dataclasses import Field, fields
 from typing import Any
 
 from loopserve.sampling_params import SamplingParams
+from loopserve.structured_outputs import StructuredOutputsParams
 
 _DEST_PREFIX = "sampling_"
 
@@ -68,6 +70,8 @@ def _add_flag(group: argparse._ArgumentGroup, item: Field[Any], annotation: Any)
     elif kind is tuple:
         options.update(type=_int_tuple, metavar="N1,N2,...")
         help_text += "; comma-separated"
+    elif kind is StructuredOutputsParams:
+        options.update(type=_structured, metavar="JSON")
     else:
         options["type"] = _finite_float if kind is float else int
     shown = "" if item.default in (None, ()) else f" (default: {item.default})"
@@ -101,3 +105,10 @@ def _int_tuple(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
+
+
+def _structured(text: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams.from_dict(text)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
