@@ -13,7 +13,7 @@ import loopserve
 
 PACKAGE = Path(loopserve.__file__).parent
 # Torch-free value types every layer may use.
-CORE = {"config", "sampling_params", "outputs", "request", "tokenizer"}
+CORE = {"config", "sampling_params", "structured_outputs", "outputs", "request", "tokenizer"}
 # Part -> the parts it may import besides itself. A part or an entry is a package ("engine") or a
 # module ("engine.scheduler_output"); `*` allows everything.
 ALLOWED: dict[str, set[str]] = {
@@ -46,7 +46,10 @@ ALLOWED: dict[str, set[str]] = {
     "depth": {"sampling_params", "kv"},
     "config": {"depth", "kv"},
     "request": {"outputs", "sampling_params"},
-    "sampling_params": set(),
+    "sampling_params": {"structured_outputs"},
+    "structured_outputs": set(),
+    # grammars of structured outputs (llguidance): torch-free, so the engine may hold their state
+    "structured": {"structured_outputs"},
     "outputs": set(),
     "tokenizer": set(),
     "__init__": {"*"},  # the public facade: it re-exports lazily (`import loopserve` stays light)

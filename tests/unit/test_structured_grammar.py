@@ -4,6 +4,8 @@ that allow exactly what the constraint allows, on the built-in model's vocabular
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,20 @@ def test_begin_after_leaves_tokens_free_until_it_is_generated(compiler: GrammarC
     assert not allowed(state, compiler.tokenizer.tokenize_str("x")[0])
     with pytest.raises(ValueError, match="one token"):
         compiler.state(StructuredOutputsParams(regex="a", begin_after="</think> and more"))
+
+
+def test_compiling_and_masking_import_no_torch() -> None:
+    """Grammar state is meant for the torch-free engine: llguidance must not pull torch in."""
+    code = (
+        "import sys\n"
+        "from loopserve.structured.grammar import GrammarCompiler\n"
+        "from loopserve.structured_outputs import StructuredOutputsParams\n"
+        f"text = open({str(ASSET / 'tokenizer.json')!r}).read()\n"
+        "state = GrammarCompiler(text, 4096, [0]).state(StructuredOutputsParams(regex='[a-z]+'))\n"
+        "assert state.mask() is not None\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

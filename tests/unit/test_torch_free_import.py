@@ -20,6 +20,8 @@ TORCH_FREE_MODULES = [
     "loopserve.models.builtin",
     "loopserve.models.generation_config",
     "loopserve.engine.end_of_sequence",
+    "loopserve.structured_outputs",
+    "loopserve.structured.grammar",
 ]
 OPTIONAL = ["torch", "triton", "flashinfer", "fastapi", "uvicorn", "matplotlib"]
 
