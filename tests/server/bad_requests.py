@@ -99,6 +99,9 @@ def _completion_cases() -> list[Case]:
         ("logprobs", 21, "logprobs"), ("logprobs", 10**9, "logprobs"), ("best_of", 3, "best_of"),
         ("suffix", "tail", "suffix"), ("presence_penalty", 0.5, "presence_penalty"),
         ("frequency_penalty", True, "frequency_penalty"), ("logit_bias", {"1": 5}, "logit_bias"),
+        ("structured_outputs", {"regex": "[0-9]+"}, "structured_outputs"),
+        ("guided_json", {"type": "object"}, "guided_json"),
+        ("guided_choice", ["a", "b"], "guided_choice"),
         ("model", "\ud83d", "model"), ("model", "gpt-9", "model"),
     ]  # fmt: skip
     cases = [_field_case(COMPLETIONS, name, value, names) for name, value, names in values]
@@ -138,6 +141,8 @@ def _chat_cases() -> list[Case]:
         ("max_completion_tokens", True, "max_completion_tokens"), ("tools", [{}], "tools"),
         ("response_format", {"type": "json_object"}, "response_format"),
         ("response_format", "text", "response_format"),
+        ("structured_outputs", {"choice": ["a"]}, "structured_outputs"),
+        ("guided_regex", "[a-z]", "guided_regex"),
     ]  # fmt: skip
     cases = [_field_case(CHAT, name, value, names) for name, value, names in values]
     orphan = {**VALID_CHAT, "top_logprobs": 2}

@@ -50,6 +50,11 @@ _PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
+_CONSTRAINT_FIELDS = (
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+)  # fmt: skip
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -88,6 +93,13 @@ class GenerationFields(_Model):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    # Constrained decoding (vLLM's fields): refused, whatever their value, until the decode step
+    # applies token masks (a client must not get unconstrained text it believes constrained).
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -101,6 +113,9 @@ class GenerationFields(_Model):
     def _check_stream_options(self) -> GenerationFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true")
+        for name in _CONSTRAINT_FIELDS:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: constrained decoding is not served yet; leave it unset")
         return self
 
     @property
