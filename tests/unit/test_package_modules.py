@@ -20,8 +20,10 @@ PACKAGE = Path(loopserve.__file__).parent
 MODULES: dict[str, set[str]] = {
     "": {
         "__init__", "config", "outputs", "reference", "reference_spec", "request",
-        "sampling_params", "tokenizer",
+        "sampling_params", "structured_outputs", "tokenizer",
     },
+    # structured outputs' grammars (llguidance)
+    "structured": {"__init__", "grammar"},
     "attention": {"__init__", "base", "paged", "registry", "torch_backend", "triton_backend"},
     "attention/flashinfer": {
         "__init__", "backend", "csr", "fa2", "library", "plan_cache", "prebuild", "prefill", "xqa",
