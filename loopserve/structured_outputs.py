@@ -64,9 +64,9 @@ class StructuredOutputsParams:
                 isinstance(item, str) for item in self.choice
             ):
                 raise TypeError("structured_outputs.choice must be a list of strings")
-            if not self.choice:
-                raise ValueError("structured_outputs.choice must hold at least one string")
-        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+            if not self.choice or "" in self.choice:
+                raise ValueError("structured_outputs.choice must hold non-empty strings")
+        given = self._given()
         if len(given) != 1:
             shown = ", ".join(given) if given else "none"
             raise ValueError(
@@ -75,9 +75,12 @@ class StructuredOutputsParams:
         if self.begin_after == "":
             raise ValueError("structured_outputs.begin_after must not be empty")
 
+    def _given(self) -> list[str]:
+        return [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        (kind,) = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        (kind,) = self._given()
         return kind
 
     @classmethod

@@ -86,7 +86,7 @@ class GrammarCompiler:
             elif kind == "regex":
                 grammar = matcher.grammar_from_regex(str(spec.regex))
             elif kind == "choice":
-                literals = " | ".join(json.dumps(item) for item in _nonempty(spec.choice))
+                literals = " | ".join(json.dumps(item) for item in spec.choice or ())
                 grammar = matcher.grammar_from_lark(f"start: {literals}")
             else:
                 grammar = matcher.grammar_from_lark(_as_lark(spec.grammar))
@@ -133,12 +133,6 @@ class GrammarState:
         """The constraint is satisfied and accepts nothing more."""
         stopped: bool = self._matcher.is_stopped()
         return self.active and stopped
-
-
-def _nonempty(choice: tuple[str, ...] | None) -> tuple[str, ...]:
-    if not choice or any(item == "" for item in choice):
-        raise ValueError("choices must be non-empty strings")
-    return choice
 
 
 def _as_lark(grammar: str | None) -> str:

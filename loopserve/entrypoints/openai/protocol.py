@@ -113,6 +113,10 @@ class GenerationFields(_Model):
     def _check_stream_options(self) -> GenerationFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_constraints(self) -> GenerationFields:
         for name in _CONSTRAINT_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: constrained decoding is not served yet; leave it unset")
