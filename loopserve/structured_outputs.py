@@ -23,8 +23,9 @@ class StructuredOutputsParams:
     """One constraint on the generated text; the engine masks every token the constraint cannot
     continue with, at whatever loop the token exits.
 
-    `json` is a JSON schema (a dict, or its JSON text; stored as canonical JSON text so the
-    object stays hashable). `grammar` is a Lark grammar (or GBNF, as llama.cpp writes it).
+    `json` is a JSON schema (a dict, or its JSON text; stored as compact JSON text so the
+    object stays hashable; key order is kept: the order of `properties` is the order the
+    output writes them in). `grammar` is a Lark grammar (or GBNF, as llama.cpp writes it).
     `begin_after` defers the constraint until this token has been generated (a single token of
     the vocabulary, such as `</think>`: the server sets it when a reply opens inside reasoning,
     so the reasoning is free and the answer constrained).
@@ -121,6 +122,6 @@ def _parsed_schema(text: str) -> Any:
 
 def _canonical(schema: Any) -> str:
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"structured_outputs.json is not JSON-serialisable: {error}") from None

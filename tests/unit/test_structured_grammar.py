@@ -55,12 +55,26 @@ def test_params_take_exactly_one_constraint() -> None:
         StructuredOutputsParams(choice=(1, 2))  # type: ignore[arg-type]
 
 
-def test_schema_is_stored_canonically_and_params_stay_hashable() -> None:
+def test_a_schema_as_dict_or_text_is_one_hashable_value_with_its_key_order() -> None:
     a = SamplingParams(structured_outputs={"json": {"b": 1, "a": 2}})
-    b = SamplingParams(structured_outputs={"json": '{"a": 2, "b": 1}'})
+    b = SamplingParams(structured_outputs={"json": '{"b": 1,  "a": 2}'})
     assert a == b and hash(a) == hash(b)
     assert a.structured_outputs is not None
-    assert a.structured_outputs.schema() == {"a": 2, "b": 1}
+    assert list(a.structured_outputs.schema()) == ["b", "a"]
+    reordered = SamplingParams(structured_outputs={"json": {"a": 2, "b": 1}})
+    assert reordered != a  # the order of properties is the order the output writes them in
+
+
+def test_properties_are_written_in_the_schema_s_order(compiler: GrammarCompiler) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+        "required": ["zeta", "alpha"],
+    }
+    spec = StructuredOutputsParams(json=schema)
+    assert walk(compiler, spec, '{"zeta": 1, "alpha": 2}').complete
+    state = walk(compiler, spec, '{"')
+    assert not allowed(state, compiler.tokenizer.tokenize_str("alpha")[0])
 
 
 @pytest.mark.parametrize(
