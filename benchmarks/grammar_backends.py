@@ -1,7 +1,8 @@
 """llguidance against xgrammar on the structured-output work a host does: compiling a JSON schema
 and computing the next-token mask at each token of a valid document, on a checkpoint's
-tokenizer.json. Needs xgrammar and transformers besides loopserve's own llguidance (not installed
-by any extra): `python -m benchmarks.grammar_backends [MODEL_DIR]` (default: the built-in model).
+tokenizer.json, llguidance through loopserve's own `GrammarCompiler`. Needs xgrammar and
+transformers (not installed by any extra): `python -m benchmarks.grammar_backends [MODEL_DIR]`
+(default: the built-in model).
 Prints one line per schema: tokens, compile time, median and worst mask time per token."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from loopserve.models.builtin import BUILTIN_MODEL_DIR
-from loopserve.structured.grammar import JSON_OPTIONS
+from loopserve.structured.grammar import GrammarCompiler
+from loopserve.structured_outputs import StructuredOutputsParams
 
 SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
     "flat": (
@@ -66,29 +68,27 @@ def _timed(function: Any) -> tuple[Any, float]:
 
 
 def main() -> None:
-    import llguidance
     import xgrammar
     from transformers import PreTrainedTokenizerFast
 
     directory = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(BUILTIN_MODEL_DIR)
     vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
     path = str(directory / "tokenizer.json")
-    tokenizer = llguidance.LLTokenizer(Path(path).read_text(), n_vocab=vocab, eos_token=0)
+    # llguidance as the engine drives it; end-of-sequence ids do not change the timings.
+    grammars = GrammarCompiler(Path(path).read_text(), vocab, [0])
     info = xgrammar.TokenizerInfo.from_huggingface(
         PreTrainedTokenizerFast(tokenizer_file=path), vocab_size=vocab
     )
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
     for name, (schema, document) in SCHEMAS.items():
-        ids = tokenizer.tokenize_str(document)
-        matcher, llg_compile = _timed(
-            lambda s=schema: llguidance.LLMatcher(
-                tokenizer, llguidance.LLMatcher.grammar_from_json_schema(s, defaults=JSON_OPTIONS)
-            )
+        ids = grammars.tokenizer.tokenize_str(document)
+        state, llg_compile = _timed(
+            partial(grammars.state, StructuredOutputsParams.from_dict({"json": schema}))
         )
         llg_masks = []
         for token in ids:
-            llg_masks.append(_timed(matcher.compute_bitmask)[1])
-            assert matcher.consume_token(token), matcher.get_error()
+            llg_masks.append(_timed(state.mask)[1])
+            state.accept(token)
         compiled, xgr_compile = _timed(
             lambda s=schema: compiler.compile_json_schema(json.dumps(s), any_whitespace=False)
         )

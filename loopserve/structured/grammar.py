@@ -10,9 +10,10 @@ it follows; the runner will only apply the masks).
 Why llguidance rather than xgrammar: it has no dependencies and imports in ~50 ms (measured here:
 xgrammar 0.2.9's import pulls in torch, transformers, sentencepiece and tiktoken), so the
 torch-free engine can hold it, and it builds its vocabulary from `tokenizer.json` itself. The
-price: on the built-in vocabulary (4,096 tokens) its masks take 20-60 µs a token against
-xgrammar's 3-7 µs, though it compiles a schema 3x faster (`python -m benchmarks.grammar_backends`);
-masks are computed while the device runs the next step, so this is host time, overlapped.
+price: on the built-in vocabulary (4,096 tokens) its masks take 12-46 µs a token against
+xgrammar's 2-6 µs, though it compiles a schema 1.5-3x faster
+(`python -m benchmarks.grammar_backends`); masks are computed while the device runs the next
+step, so this is host time, overlapped.
 
 JSON is written with `, ` and `: ` separators and no other whitespace (vLLM's
 `disable-any-whitespace`): a model that may write any amount of whitespace between tokens can
