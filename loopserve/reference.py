@@ -26,6 +26,7 @@ from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.outputs import TokenLogprobs
 from loopserve.sample.sampler import SamplingBatch, sample
 from loopserve.sampling_params import ResolvedParams, SamplingInfo
+from loopserve.structured.grammar import GrammarState
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -101,8 +102,11 @@ class SerialReference:
         prompt_ids: list[int],
         params: ResolvedParams,
         forced_tokens: list[int] | None = None,
+        grammar: GrammarState | None = None,
     ) -> ReferenceOutput:
-        """Generate (or, with `forced_tokens`, teacher-force) one request's continuation."""
+        """Generate (or, with `forced_tokens`, teacher-force) one request's continuation;
+        `grammar`, a constraint's fresh state, masks every token and ends the request ("stop")
+        once complete."""
         layers = self.model.config.num_hidden_layers
         kv = _DenseKV(params.max_loops, layers)
         # Prelude and coda layers (a family that has them): one version of every token.
@@ -115,10 +119,15 @@ class SerialReference:
             final.append(0, layer, *kv.get(params.max_loops - 1, layer))
         depth = params.max_loops
         while True:
-            token = self._sample(readout, params, out, forced_tokens)
+            token = self._sample(readout, params, out, forced_tokens, grammar)
             out.exit_depths.append(depth)
             if self._finished(token, params, out, forced_tokens):
                 return out
+            if grammar is not None:
+                grammar.accept(token)
+                if grammar.complete:
+                    out.finish_reason = "stop"
+                    return out
             position = len(prompt_ids) + len(out.token_ids) - 1
             index = len(out.token_ids) - 1
             readout, depth = self._decode(token, position, params, index, kv, final, stages)
@@ -233,10 +242,12 @@ class SerialReference:
         params: ResolvedParams,
         out: ReferenceOutput,
         forced_tokens: list[int] | None,
+        grammar: GrammarState | None,
     ) -> int:
         logits = self.model.head(readout)  # [1, V]
         info = SamplingInfo(params.params, params.seed, len(out.token_ids))
-        batch = SamplingBatch.build([info], self.model.config.vocab_size, self.device)
+        masks = [grammar.mask()] if grammar is not None else []
+        batch = SamplingBatch.build([info], self.model.config.vocab_size, self.device, masks)
         result = sample(logits, batch)
         token = (
             int(result.tokens[0]) if forced_tokens is None else forced_tokens[len(out.token_ids)]

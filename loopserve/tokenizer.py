@@ -73,6 +73,12 @@ class Tokenizer:
         text: str = self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar backend builds its vocabulary
+        from)."""
+        text: str = self._backend.to_str()
+        return text
+
     def token_to_id(self, token: str) -> int | None:
         index: int | None = self._backend.token_to_id(token)
         return index

@@ -97,6 +97,18 @@ def after_loop(row: RowDepth, ran: Any, hazard: Any) -> LoopOutcome:
     return LoopOutcome(ran & exits, survival, test)
 
 
+def may_exit(row: RowDepth) -> Any:
+    """Whether each row's token could exit after the loop it runs next, before that loop runs
+    (`after_loop` decides whether it does): at max_loops, a gate at or past min_loops, a delayed
+    gate whose test held, a trace at its depth. Constrained decoding holds such a row until the
+    bitmask of the token it would sample is on the device (`runner.token_masks`)."""
+    at_max = row.loop >= row.max_loops
+    gate = (row.rule == SlotRule.GATE) & (row.loop >= row.min_loops)
+    delayed = (row.rule == SlotRule.DELAYED_GATE) & row.stop_next
+    traced = (row.rule == SlotRule.TRACE) & (row.loop >= row.trace_depth)
+    return at_max | gate | delayed | traced
+
+
 @dataclass(slots=True)
 class NextDepth:
     loop: Any  # int64, the loop each row runs next

@@ -3,7 +3,8 @@
 Owns: request validation at the boundary, resolving per-request defaults (`ResolvedParams`; the
 checkpoint's end-of-sequence set, `engine.end_of_sequence`; its generation_config.json sampling
 defaults for requests that give no params), the schedule -> execute -> update loop,
-detokenization and stop strings, and statistics.
+detokenization, stop strings and constraints (`engine.constraints`: the grammar states of
+requests with structured outputs, whose bitmasks each step carries to the runner), and statistics.
 Must not: touch device tensors (the runner does), make batching decisions (the scheduler does),
 or import the runner: it drives whatever `Runner` it is handed (`engine.runner_api`).
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from loopserve.config import EngineConfig
 from loopserve.depth.policy import ExitMode
 from loopserve.depth.trace import resolve_distribution
+from loopserve.engine.constraints import Constraints
 from loopserve.engine.detokenizer import IncrementalDetokenizer
 from loopserve.engine.end_of_sequence import end_of_sequence
 from loopserve.engine.kv_manager import KVCacheManager
@@ -84,6 +86,9 @@ class Engine:
             last_plane_differs=self.model_config.num_stage_layers > 0,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.constraints = Constraints(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -127,11 +132,6 @@ class Engine:
                 f"an engine request runs one sequence, got n={params.n}: add n requests (seed + i "
                 "for sequence i, as LLM.generate does) or use LLM.generate"
             )
-        if params.structured_outputs is not None:
-            raise ValueError(
-                "structured_outputs: constrained decoding is not served yet (the decode step does "
-                "not apply token masks); leave it unset"
-            )
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self._prompt_ids(prompt)
         resolved = self.resolve(params)
@@ -150,6 +150,9 @@ class Engine:
                 f"at most {self.info.max_stop_token_ids} end-of-sequence plus stop token ids per "
                 f"request, got {len(stop_ids)}"
             )
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.constraints.check(params.structured_outputs)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -160,6 +163,8 @@ class Engine:
         )
         self.scheduler.add(request)
         self._requests[request_id] = request
+        if grammar is not None:
+            self.constraints.add(request_id, grammar)
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, params.stop
@@ -245,6 +250,7 @@ class Engine:
         if self.last_step_synced:
             outputs += self._read_back()
         scheduled = self.scheduler.schedule()
+        self.constraints.attach(scheduled)
         if scheduled.is_empty:
             return outputs + (self._read_back() if self._in_flight is not None else [])
         now = time.monotonic()
@@ -283,6 +289,9 @@ class Engine:
             new_text, stop = detokenizer.add(new_ids)
             if stop is not None and not request.finished:
                 self.scheduler.finish(request, "stop", stop_reason=stop)
+        verdict = self.constraints.accept(request.request_id, new_ids)
+        if verdict is not None and not request.finished:
+            self.scheduler.finish(request, verdict)  # complete ("stop") or broken ("abort")
         if request.finished:
             metrics.finished_time = now
         return self._output(request, new_ids, new_text)
@@ -292,6 +301,7 @@ class Engine:
         if request.finished:
             self._requests.pop(request.request_id, None)
             self._detokenizers.pop(request.request_id, None)
+            self.constraints.drop(request.request_id)
             if detokenizer is not None:
                 new_text += detokenizer.flush()  # text held back for a stop string that never came
         completion = CompletionOutput(

@@ -31,6 +31,8 @@ class PrefillChunk:
     num_loops: int  # loop d writes and reads plane d - 1
     completes_prompt: bool  # sample the first output token from the last position
     sampling: SamplingInfo
+    # A constrained request's first token: its bitmask (`TokenMask.words`), None when free.
+    token_mask: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +67,19 @@ class SlotStart:
     params: ResolvedParams
 
 
+@dataclass(frozen=True, slots=True)
+class TokenMask:
+    """The tokens a constrained request's output `index` may be, for the decode step's slot
+    (structured outputs): a bitmask, bit t of little-endian int32 word t // 32 set when token t is
+    allowed. `words` None: the constraint has not begun; it begins once `begin_after` (a token
+    id, -1 for none) is sampled, and that row's next exit then waits for its bitmask."""
+
+    slot: int
+    index: int
+    words: bytes | None
+    begin_after: int = -1
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     step: int
@@ -83,6 +98,8 @@ class SchedulerOutput:
     slot_starts: list[SlotStart] = field(default_factory=list)
     # Every slot live in this step's decode step and the request it holds (to attribute results).
     decode_slots: dict[int, str] = field(default_factory=dict)
+    # Applied after the starts: bitmasks of constrained slots that started or learned a token.
+    token_masks: list[TokenMask] = field(default_factory=list)
 
     @property
     def runs_decode(self) -> bool:
@@ -101,6 +118,7 @@ class SchedulerOutput:
             or self.cleared_slots
             or self.slot_stops
             or self.slot_starts
+            or self.token_masks
         )
 
 

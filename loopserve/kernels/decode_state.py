@@ -277,7 +277,8 @@ class DecodeKernels:
         self.block_pages = min(triton.next_power_of_2(self.num_pages), 1024)
         self.block_hidden = min(triton.next_power_of_2(self.hidden_size), 4096)
 
-    def prologue(self, rows: int) -> Prologue:
+    def prologue(self, rows: int, active: torch.Tensor | None = None) -> Prologue:
+        """`active` [rows] bool: the rows that may run (default: the state's active slots)."""
         state, device = self.state, self.tables.device
         rope = self.rope_cos
         start = Prologue(
@@ -290,9 +291,10 @@ class DecodeKernels:
             sin=torch.empty((rows, self.head_dim), dtype=rope.dtype, device=device),
             hidden=torch.empty((rows, self.hidden_size), dtype=state.hidden.dtype, device=device),
         )
+        runnable = state.active if active is None else active
         _prologue_kernel[(rows,)](
-            state.active, state.waiting, state.loop, state.max_loops, state.position,
-            state.token, state.hidden, self.tables, self.embedding, self.rope_cos, self.rope_sin,
+            runnable, state.waiting, state.loop, state.max_loops, state.position, state.token,
+            state.hidden, self.tables, self.embedding, self.rope_cos, self.rope_sin,
             start.ran, start.waiting, start.seq_lens, start.slot_mapping, start.page_table,
             start.cos, start.sin, start.hidden,
             rows, self.num_planes, self.num_pages, self.block_size, NULL_PAGE * self.block_size,

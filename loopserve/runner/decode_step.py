@@ -41,6 +41,7 @@ from loopserve.kv.transfer import to_device
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables
+from loopserve.runner.token_masks import SlotMasks
 from loopserve.sample.sampler import (
     SampleResult,
     SamplingBatch,
@@ -68,6 +69,7 @@ class SamplingKind:
     needs_filter: bool
     any_logprobs: bool
     num_logprobs: int
+    constrained: bool = False  # some row has a constraint (token bitmasks, `token_masks`)
 
 
 class DecodeStep:
@@ -118,6 +120,7 @@ class DecodeStep:
         self.top_k = zeros(torch.int64) + self.vocab_size
         self.seed = zeros(torch.int64)
         self.logprob_counts: list[int | None] = [None] * slots
+        self.masks = SlotMasks(slots, self.vocab_size, device)
         self._greedy_host = [True] * slots
         self._filter_host = [False] * slots
         # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too.
@@ -175,6 +178,7 @@ class DecodeStep:
         # Under no_refill a new slot waits for the next cohort (released when no row runs).
         self.waiting[index] = self.scheduling is policy.Scheduling.NO_REFILL
         self.active[index] = True
+        self.masks.reset(index, [s.slot for s in starts])
         for start, param in zip(starts, params, strict=True):
             self.logprob_counts[start.slot] = param.logprobs
             self._greedy_host[start.slot] = param.greedy
@@ -187,6 +191,7 @@ class DecodeStep:
             needs_filter=any(self._filter_host[slot] for slot in slots),
             any_logprobs=any(self.logprob_counts[slot] is not None for slot in slots),
             num_logprobs=max(counts, default=0) and 20,
+            constrained=self.masks.any(slots),
         )
 
     def _long(self, values: list[int]) -> torch.Tensor:
@@ -200,6 +205,7 @@ class DecodeStep:
         return [
             self.active, self.waiting, self.stop_next, self.loop, self.position, self.token,
             self.output_count, self.survival, self.hidden, self.exit_memory,
+            self.masks.constrained,
         ]  # fmt: skip
 
     # ----- one loop (device only) -----------------------------------------------------------
@@ -209,8 +215,10 @@ class DecodeStep:
         if self.kernels is not None:
             return self._fused_step(rows, kind, self.kernels)
         active = self.active[:rows]
-        ran, waiting = policy.runs(active, self.waiting[:rows], self.scheduling)
         row = self._row_depth(rows)
+        ran, waiting = policy.runs(
+            self._runnable(rows, kind, row), self.waiting[:rows], self.scheduling
+        )
         position = self.position[:rows]
         cos, sin = self.model.rope(position)
         starts = row.loop == 1
@@ -234,6 +242,8 @@ class DecodeStep:
         count = self.output_count[:rows] + exited.long()
         is_stop = (sampled.tokens[:, None] == self.stop_ids[:rows]).any(-1)
         stopped = exited & (is_stop | (count >= self.max_tokens[:rows]))
+        if kind.constrained:
+            self.masks.begin(rows, exited, sampled.tokens)
         columns = [ran, row.loop, exited, sampled.tokens, stopped, sampled.logprobs]
         record = torch.cat(
             [torch.stack(columns, 1).float(), sampled.top_ids.float(), sampled.top_logprobs], dim=1
@@ -254,7 +264,7 @@ class DecodeStep:
     def _fused_step(self, rows: int, kind: SamplingKind, kernels: DecodeKernels) -> torch.Tensor:
         """`step` with the bookkeeping around the loop in two launches (kernels/decode_state.py,
         the twin of the torch path above, which is the reference it is tested against)."""
-        start = kernels.prologue(rows)
+        start = kernels.prologue(rows, self._runnable(rows, kind))
         metadata = self.block_tables.decode_metadata_from(
             start.seq_lens, start.page_table, start.slot_mapping, self._host_lengths
         )
@@ -268,11 +278,21 @@ class DecodeStep:
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
         columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
         coda = kernels.coda(start, outcome, out, columns, width)
+        if kind.constrained:
+            self.masks.begin(rows, outcome.exited, sampled.tokens)
         if coda.copies is not None:
             from loopserve.kernels.kv_copy import copy_kv_slots
 
             copy_kv_slots(self.kv, *coda.copies)  # `kv.copy_slots` in one launch
         return coda.record
+
+    def _runnable(self, rows: int, kind: SamplingKind, row: RowDepth | None = None) -> torch.Tensor:
+        """Active rows, less constrained rows held for their bitmask (`runner.token_masks`)."""
+        active = self.active[:rows]
+        if not kind.constrained:
+            return active
+        row = row if row is not None else self._row_depth(rows)
+        return active & ~self.masks.held(rows, row, self.output_count[:rows])
 
     @property
     def _host_lengths(self) -> bool:
@@ -388,6 +408,7 @@ class DecodeStep:
         )
 
     def _sampling_batch(self, rows: int, kind: SamplingKind) -> SamplingBatch:
+        masks = self.masks
         return SamplingBatch(
             temperature=self.temperature[:rows],
             greedy=self.greedy[:rows],
@@ -401,6 +422,8 @@ class DecodeStep:
             num_logprobs=kind.num_logprobs,
             logprob_counts=self.logprob_counts[:rows],
             any_logprobs=kind.any_logprobs,
+            constrained=masks.constrained[:rows] if kind.constrained else None,
+            token_mask=masks.token_mask[:rows] if kind.constrained else None,
         )
 
 

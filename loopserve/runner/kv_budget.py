@@ -28,7 +28,7 @@ from loopserve.kv.pages import pages_for
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.model_config import LoopedConfig
-from loopserve.sample.sampler import SamplingBatch, sample
+from loopserve.sample.sampler import SamplingBatch, mask_words, sample
 from loopserve.sampling_params import SamplingInfo, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ _CPU_DEFAULT_CAP_BYTES = 4 << 30
 @torch.inference_mode()
 def profile_step_peak(model: LoopedForCausalLM, config: EngineConfig, device: torch.device) -> int:
     """Peak activation bytes of the largest step: a full prompt-token budget through one loop,
-    and the coda (LM head + sampling with filters) for every slot."""
+    and the coda (LM head + sampling with filters and token bitmasks) for every slot."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -59,7 +59,8 @@ def profile_step_peak(model: LoopedForCausalLM, config: EngineConfig, device: to
     rows = config.scheduler.max_num_seqs
     params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)
     infos = [SamplingInfo(params, 0, 0)] * rows
-    batch = SamplingBatch.build(infos, model.config.vocab_size, device)
+    every_token = b"\xff" * (4 * mask_words(model.config.vocab_size))
+    batch = SamplingBatch.build(infos, model.config.vocab_size, device, [every_token] * rows)
     sample(model.compute_logits(hidden[:rows], ctx=context), batch)
     torch.cuda.synchronize(device)
     return int(torch.cuda.max_memory_allocated(device) - base)

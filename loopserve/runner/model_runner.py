@@ -129,11 +129,13 @@ class ModelRunner:
     def _run_decode(
         self, scheduled: SchedulerOutput
     ) -> tuple[torch.Tensor | None, torch.cuda.Event | None, list[int | None]]:
-        """Slot stops, slot starts, then one loop over the slots, copied out asynchronously."""
+        """Slot stops, slot starts, token bitmasks, then one loop over the slots, copied out
+        asynchronously."""
         if scheduled.slot_stops:
             self.decode.stop(scheduled.slot_stops)
         if scheduled.slot_starts:
             self.decode.start(scheduled.slot_starts)
+        self.decode.masks.apply(scheduled.token_masks)
         if not scheduled.runs_decode:
             return None, None, []
         slots = list(scheduled.decode_slots)

@@ -88,7 +88,8 @@ class PromptRunner:
         if finishing:
             logits = self.model.head(readout)
             infos = [chunks[index].sampling for index in finishing]
-            batch = SamplingBatch.build(infos, self.model.config.vocab_size, self.device)
+            masks = [chunks[index].token_mask for index in finishing]
+            batch = SamplingBatch.build(infos, self.model.config.vocab_size, self.device, masks)
             for row, token in zip(
                 finishing, sampled_tokens(sample(logits, batch), batch), strict=True
             ):

@@ -2,7 +2,9 @@
 
 Owns: turning fp32 logits of the rows that exit into tokens. Must not: depend on batch composition
 (every operation is row-wise, and the noise is counter-based per request), or sync with the host.
-Log-probs are those of the model's raw distribution (before temperature and filtering).
+Log-probs are those of the model's raw distribution (before temperature, filtering and any
+constraint's token mask). A constrained row (structured outputs) chooses only among the tokens its
+bitmask allows: bit t of 32-bit word t // 32 set when token t may come next.
 On CUDA with triton, rows choose their tokens in two launches (`kernels/sampling.py`, the torch
 code's twin bit for bit) unless some row filters; the torch code stays the reference and the
 path everywhere else.
@@ -53,12 +55,25 @@ class SamplingBatch:
     num_logprobs: int  # the most alternatives any row asked for (0 when none)
     logprob_counts: list[int | None]  # per row: alternatives asked for, None for no log-probs
     any_logprobs: bool  # some row asked for log-probs (else none are computed)
+    # Constrained rows: [R] bool, and their allowed tokens as int32 bitmasks [R, ceil(V / 32)];
+    # None when no row is constrained.
+    constrained: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
 
     @classmethod
     def build(
-        cls, infos: Sequence[SamplingInfo], vocab_size: int, device: torch.device
+        cls,
+        infos: Sequence[SamplingInfo],
+        vocab_size: int,
+        device: torch.device,
+        token_masks: Sequence[bytes | None] = (),
     ) -> SamplingBatch:
+        """One row per `infos` entry; `token_masks` (when given, one per row) are the constrained
+        rows' bitmasks as little-endian int32 bytes, None for a free row."""
         params = [info.params for info in infos]
+        constrained = token_mask = None
+        if any(mask is not None for mask in token_masks):
+            constrained, token_mask = mask_tensors(token_masks, vocab_size, device)
         top_k = [effective_top_k(p, vocab_size) for p in params]
         return cls(
             temperature=to_device(
@@ -75,7 +90,41 @@ class SamplingBatch:
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             logprob_counts=[p.logprobs for p in params],
             any_logprobs=any(p.logprobs is not None for p in params),
+            constrained=constrained,
+            token_mask=token_mask,
         )
+
+
+def mask_words(vocab_size: int) -> int:
+    """The int32 words of one row's token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def mask_tensors(
+    masks: Sequence[bytes | None], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(constrained [R] bool, bitmasks [R, words] int32) on `device`; a None row is free (its
+    words are zeros, unused)."""
+    words = mask_words(vocab_size)
+    host = torch.zeros((len(masks), words), dtype=torch.int32)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            host[row] = torch.frombuffer(bytearray(mask), dtype=torch.int32)[:words]
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flags = to_device([mask is not None for mask in masks], torch.bool, device)
+    return flags, host.to(device, non_blocking=True)
+
+
+def apply_token_mask(
+    logits: torch.Tensor, constrained: torch.Tensor, token_mask: torch.Tensor
+) -> torch.Tensor:
+    """logits [R, V] with the tokens a constrained row's bitmask forbids set to -inf."""
+    rows, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (token_mask[:, :, None] >> shifts).reshape(rows, -1)[:, :vocab] & 1
+    allowed = (bits != 0) | ~constrained[:, None]
+    return logits.where(allowed, float("-inf"))
 
 
 @dataclass(slots=True)
@@ -113,14 +162,17 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits [R, V] fp32 -> tokens and log-probs (zeros when no row asked for log-probs)."""
-    if compiled_for(logits) and not batch.needs_filter:
+    choice = logits
+    if batch.constrained is not None and batch.token_mask is not None:
+        choice = apply_token_mask(logits, batch.constrained, batch.token_mask)
+    if compiled_for(choice) and not batch.needs_filter:
         from loopserve.kernels.sampling import sample_tokens
 
         tokens = sample_tokens(
-            logits, batch.temperature, batch.greedy, batch.seeds, batch.counters, batch.all_greedy
+            choice, batch.temperature, batch.greedy, batch.seeds, batch.counters, batch.all_greedy
         )
     else:
-        tokens = choose_tokens(logits, batch)
+        tokens = choose_tokens(choice, batch)
     if not batch.any_logprobs:
         rows = logits.shape[0]
         nothing = logits.new_zeros(rows, 0)

@@ -133,10 +133,3 @@ def test_batch_invariant_needs_the_cuda_kernels() -> None:
         ValueError, match=r"batch_invariant needs a CUDA device.*leave batch_invariant"
     ):
         LLM(num_kv_pages=64, device="cpu", batch_invariant=True)
-
-
-def test_structured_outputs_are_refused_until_the_decode_step_applies_masks(llm: LLM) -> None:
-    params = SamplingParams(structured_outputs={"regex": "[0-9]+"})
-    with pytest.raises(ValueError, match="not served yet"):
-        llm.generate("x = ", params)
-    assert not llm.engine.has_unfinished_requests()

@@ -39,6 +39,9 @@ from tests.kernels.tiny_setup import attention_spec, paged_kv, shuffled_pages, t
 SLOTS, ROWS, PAGES, BLOCK, TRACE_WIDTH, STEPS = 12, 8, 6, 4, 5, 4
 GREEDY = SamplingKind(all_greedy=True, needs_filter=False, any_logprobs=False, num_logprobs=0)
 SAMPLED = SamplingKind(all_greedy=False, needs_filter=True, any_logprobs=True, num_logprobs=20)
+# Structured outputs: token bitmasks, rows held for theirs, deferred constraints that begin.
+CONSTRAINED = replace(SAMPLED, needs_filter=False, constrained=True)
+KINDS = {"greedy": GREEDY, "sampled": SAMPLED, "constrained": CONSTRAINED}
 
 
 @dataclass
@@ -110,6 +113,14 @@ def _randomise(step: DecodeStep, generator: torch.Generator, kind: SamplingKind)
     put(step.top_p, 0.5 + torch.rand(SLOTS, generator=generator) / 2)
     put(step.seed, ints(0, 1000))
     step.logprob_counts = [3 if kind.any_logprobs and s % 2 else None for s in range(SLOTS)]
+    if kind.constrained:
+        masks = step.masks
+        put(masks.constrained, ints(0, 2) > 0)
+        # A bitmask for the token each row samples next, or for an earlier one (held rows).
+        put(masks.mask_index, count - (ints(0, 2) == 0).long())
+        put(masks.begin_after, ints(0, step.vocab_size - 1).where(ints(0, 1) > 0, -1))
+        bits = torch.randint(-(2**31), 2**31, masks.token_mask.shape, generator=generator)
+        put(masks.token_mask, bits)
 
 
 def _copy_state(source: DecodeStep, target: DecodeStep) -> None:
@@ -118,6 +129,8 @@ def _copy_state(source: DecodeStep, target: DecodeStep) -> None:
     for name in ("greedy", "temperature", "top_k", "top_p", "min_p", "seed"):
         getattr(target, name).copy_(getattr(source, name))
     target.logprob_counts = list(source.logprob_counts)
+    for name in ("constrained", "mask_index", "begin_after", "token_mask"):
+        getattr(target.masks, name).copy_(getattr(source.masks, name))
 
 
 def _on_the_boundary(pair: Pair, kind: SamplingKind, generator: torch.Generator) -> None:
@@ -198,7 +211,7 @@ def check_fused_matches_torch(
         actual = pair.fused.step(ROWS, kind) if graphs is None else graphs.run(ROWS, kind)
         _assert_bitwise(f"record, step {step}", expected, actual)
         names = ["active", "waiting", "stop_next", "loop", "position", "token", "output_count"]
-        names += ["survival", "hidden", "exit_memory"]
+        names += ["survival", "hidden", "exit_memory", "constrained"]
         for name, want, got in zip(
             names, pair.reference.state_tensors(), pair.fused.state_tensors(), strict=True
         ):
@@ -213,7 +226,7 @@ def check_fused_matches_torch(
 
 @pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("scheduling", list(Scheduling))
-@pytest.mark.parametrize("kind", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", list(KINDS.values()), ids=list(KINDS))
 def test_fused_step_is_the_torch_step_bitwise(
     device: torch.device, layout: KVLayout, scheduling: Scheduling, kind: SamplingKind
 ) -> None:
@@ -255,7 +268,7 @@ def test_flashinfer_reads_the_fused_metadata_as_the_torch_one(
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("scheduling", list(Scheduling))
-@pytest.mark.parametrize("kind", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", list(KINDS.values()), ids=list(KINDS))
 def test_fused_step_is_the_torch_step_bitwise_on_gpu(
     layout: KVLayout, scheduling: Scheduling, kind: SamplingKind, graphed: bool
 ) -> None:

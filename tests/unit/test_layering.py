@@ -27,9 +27,10 @@ ALLOWED: dict[str, set[str]] = {
     "eval": {"models", "depth", "data"} | CORE,
     "train": {"models", "data"} | CORE,
     "data": set(),
-    "reference": {"models", "sample", "depth"} | CORE,
+    "reference": {"models", "sample", "depth", "structured"} | CORE,
     "reference_spec": {"models.model_config", "models.huginn_config", "reference"},
     "engine": {"depth", "kv.pages", "kv.layout", "models.model_config", "models.generation_config"}
+    | {"structured"}
     | CORE,
     "runner": {"engine.scheduler_output", "engine.runner_api", "models", "attention", "sample"}
     | {"kernels", "kv", "depth"}

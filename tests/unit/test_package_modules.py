@@ -38,8 +38,8 @@ MODULES: dict[str, set[str]] = {
     "data": {"__init__", "corpus", "windows"},
     "depth": {"__init__", "exit_test", "policy", "trace"},
     "engine": {
-        "__init__", "detokenizer", "end_of_sequence", "engine", "kv_manager", "page_budget",
-        "prefix_cache", "runner_api", "scheduler", "scheduler_output", "stats",
+        "__init__", "constraints", "detokenizer", "end_of_sequence", "engine", "kv_manager",
+        "page_budget", "prefix_cache", "runner_api", "scheduler", "scheduler_output", "stats",
     },
     "entrypoints": {"__init__", "chat_prompts", "llm", "reasoning", "tool_calls"},
     "entrypoints/cli": {
@@ -74,7 +74,7 @@ MODULES: dict[str, set[str]] = {
     },
     "runner": {
         "__init__", "block_tables", "cuda_graphs", "decode_step", "graph_capture", "kv_budget",
-        "model_runner", "prefill", "prompt_graphs", "setup", "swap",
+        "model_runner", "prefill", "prompt_graphs", "setup", "swap", "token_masks",
     },
     "sample": {"__init__", "noise", "sampler"},
     "train": {

@@ -22,6 +22,7 @@ TORCH_FREE_MODULES = [
     "loopserve.engine.end_of_sequence",
     "loopserve.structured_outputs",
     "loopserve.structured.grammar",
+    "loopserve.engine.constraints",
 ]
 OPTIONAL = ["torch", "triton", "flashinfer", "fastapi", "uvicorn", "matplotlib"]
 
