@@ -145,16 +145,24 @@ def _measure(args: argparse.Namespace, model: Path) -> int:
         )
     )
     clock = GrammarClock(engine.constraints)
-    spec = StructuredOutputsParams(json=SCHEMA)
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
     loops, vocab = engine.model_config.num_loops, engine.model_config.vocab_size
     rows = []
     for concurrency in concurrencies:
         for exits in args.exits.split(","):
             count = max(2 * concurrency, 4)
-            shape = (workload, count, concurrency, vocab, loops, exits)
 
-            def requests(seed: int, constrained: bool, shape: tuple[Any, ...] = shape) -> list[Any]:
-                return _requests(*shape, seed=seed, spec=spec if constrained else None)
+            def requests(
+                seed: int,
+                constrained: bool,
+                count: int = count,
+                concurrency: int = concurrency,
+                exits: str = exits,
+            ) -> list[Any]:
+                spec_or_none = spec if constrained else None
+                return _requests(
+                    workload, count, concurrency, vocab, loops, exits, seed, spec_or_none
+                )
 
             for constrained in (False, True):  # warm-up: graphs of both kinds, compiles
                 run_closed_loop(engine, requests(0, constrained)[:concurrency], concurrency, "w")
