@@ -128,22 +128,24 @@ def main(argv: list[str] | None = None) -> int:
 def _measure(args: argparse.Namespace, model: Path) -> int:
     from loopserve.bench.closed_loop import run_closed_loop
     from loopserve.bench.sweep_spec import Workload
+    from loopserve.bench.timed_runner import TimedRunner
     from loopserve.config import EngineConfig
     from loopserve.engine.engine import Engine
+    from loopserve.runner.setup import build_runner
     from loopserve.structured_outputs import StructuredOutputsParams
 
     concurrencies = [int(value) for value in args.concurrency.split(",")]
     workload = Workload.parse(args.workload)
-    engine = Engine(
-        EngineConfig.from_options(
-            model=str(model),
-            device=args.device,
-            dtype=args.dtype,
-            kv_layout=args.kv_layout,
-            exit_mode="trace",
-            max_num_seqs=max(concurrencies),
-        )
+    config = EngineConfig.from_options(
+        model=str(model),
+        device=args.device,
+        dtype=args.dtype,
+        kv_layout=args.kv_layout,
+        exit_mode="trace",
+        max_num_seqs=max(concurrencies),
     )
+    runner = TimedRunner(build_runner(config))
+    engine = Engine(config, runner)
     clock = GrammarClock(engine.constraints)
     spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
     loops, vocab = engine.model_config.num_loops, engine.model_config.vocab_size
@@ -166,19 +168,29 @@ def _measure(args: argparse.Namespace, model: Path) -> int:
 
             for constrained in (False, True):  # warm-up: graphs of both kinds, compiles
                 run_closed_loop(engine, requests(0, constrained)[:concurrency], concurrency, "w")
-            rates: dict[bool, list[float]] = {False: [], True: []}
-            host: list[float] = []
+            trials: dict[bool, list[dict[str, float]]] = {False: [], True: []}
             for trial, constrained in enumerate((False, True, True, False)):
-                steps_before, clock.seconds = engine.stats().steps, 0.0
+                steps_before = engine.stats().steps
+                clock.seconds = runner.wait_s = 0.0
                 record = run_closed_loop(
                     engine, requests(trial + 1, constrained), concurrency, f"t{trial}"
                 )
                 tokens = sum(len(r.exit_depths) for r in record.requests)
-                rates[constrained].append(tokens / record.duration_s)
-                if constrained:
-                    steps = engine.stats().steps - steps_before
-                    host.append(1e3 * clock.seconds / max(steps, 1))
-            free, constrained_rate = (statistics.mean(rates[key]) for key in (False, True))
+                steps = max(engine.stats().steps - steps_before, 1)
+                trials[constrained].append(
+                    {
+                        "tok_s": tokens / record.duration_s,
+                        "steps_per_token": steps / tokens,
+                        "ms_per_step": 1e3 * record.duration_s / steps,
+                        "wait_ms_per_step": 1e3 * runner.wait_s / steps,
+                        "grammar_ms_per_step": 1e3 * clock.seconds / steps,
+                    }
+                )
+            mean = {
+                key: {name: statistics.mean(t[name] for t in values) for name in values[0]}
+                for key, values in trials.items()
+            }
+            free, constrained_rate = mean[False]["tok_s"], mean[True]["tok_s"]
             row = {
                 "concurrency": concurrency,
                 "exits": exits,
@@ -186,8 +198,18 @@ def _measure(args: argparse.Namespace, model: Path) -> int:
                 "free_tok_s": round(free, 1),
                 "constrained_tok_s": round(constrained_rate, 1),
                 "ratio": round(constrained_rate / free, 3),
-                "grammar_host_ms_per_step": round(statistics.mean(host), 3),
-                "trials": {str(key): [round(v, 1) for v in value] for key, value in rates.items()},
+                "grammar_host_ms_per_step": round(mean[True]["grammar_ms_per_step"], 3),
+                # Why it costs: more steps per token (held rows) or longer steps, and whether the
+                # host still waits for the device (wait -> 0: the host is the bottleneck).
+                **{
+                    f"{name}_{'constrained' if key else 'free'}": round(value[name], 3)
+                    for key, value in mean.items()
+                    for name in ("steps_per_token", "ms_per_step", "wait_ms_per_step")
+                },
+                "trials": {
+                    str(key): [round(t["tok_s"], 1) for t in values]
+                    for key, values in trials.items()
+                },
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -195,13 +217,20 @@ def _measure(args: argparse.Namespace, model: Path) -> int:
                 with args.out.open("a") as sink:
                     sink.write(json.dumps(row) + "\n")
     print(
-        "\n| C | exits | unconstrained tok/s | json_schema tok/s | ratio | grammar host ms/step |"
+        "\n| C | exits | unconstrained tok/s | json_schema tok/s | ratio | grammar host ms/step "
+        "| steps/token free, json | ms/step free, json | device wait ms/step free, json |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
+        pairs = [
+            f"{row[name + '_free']}, {row[name + '_constrained']}"
+            for name in ("steps_per_token", "ms_per_step", "wait_ms_per_step")
+        ]
         print(
             f"| {row['concurrency']} | {row['exits']} | {row['free_tok_s']} | "
-            f"{row['constrained_tok_s']} | {row['ratio']} | {row['grammar_host_ms_per_step']} |"
+            f"{row['constrained_tok_s']} | {row['ratio']} | {row['grammar_host_ms_per_step']} | "
+            + " | ".join(pairs)
+            + " |"
         )
     return 0
 
