@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from loopserve.models.checkpoint_writer import random_state_dict, write_checkpoint
 from loopserve.models.model_config import LoopedConfig
@@ -74,6 +74,7 @@ SCALED_DOWN = {
     "vocab_size": 512,
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINKING_TOKENS = ("<think>", "</think>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -86,15 +87,25 @@ ANSWER = "Hello"
 _CORPUS = ["Hello world. Hello there! def hello(name):\n    return 'Hello ' + name\n"] * 50
 
 
-def write_ouro_like_checkpoint(directory: Path, full_size: bool = False) -> Path:
+def write_ouro_like_checkpoint(
+    directory: Path, full_size: bool = False, closes_thinking: bool = False
+) -> Path:
     """The checkpoint described in the module docstring, in `directory`.
 
     `full_size`: Ouro-1.4B's sizes unchanged (2.9 GB of bf16 weights; the H200 start-up check
-    `python -m tests.real_ouro DIR`), with the same scripted weights and small tokenizer."""
+    `python -m tests.real_ouro DIR`), with the same scripted weights and small tokenizer.
+    `closes_thinking`: `<think>` and `</think>` are tokens of the vocabulary (added, not special,
+    as in Qwen3-style tokenizers) and the answer is followed by `</think>` instead of
+    <|im_end|>, so a reply is "Hello</think>Hello</think>..." until something constrains it."""
     raw = OURO_1_4B_CONFIG if full_size else OURO_1_4B_CONFIG | SCALED_DOWN
-    answer_id = write_chat_tokenizer(directory, eos_token="<|endoftext|>")
+    thinking = THINKING_TOKENS if closes_thinking else ()
+    answer_id = write_chat_tokenizer(directory, eos_token="<|endoftext|>", added=thinking)
+    after_answer = 2  # <|im_end|>
+    if closes_thinking:
+        tokenizer = BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+        after_answer = int(tokenizer.token_to_id(THINKING_TOKENS[1]))
     config = OuroConfig.from_dict(raw)
-    write_checkpoint(directory, config, scripted_weights(config, answer_id))
+    write_checkpoint(directory, config, scripted_weights(config, answer_id, after_answer))
     # Written over what write_checkpoint wrote: the exact published keys and values.
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     generation = {"bos_token_id": 0, "eos_token_id": 0, "transformers_version": "4.55.0"}
@@ -102,11 +113,13 @@ def write_ouro_like_checkpoint(directory: Path, full_size: bool = False) -> Path
     return directory
 
 
-def write_chat_tokenizer(directory: Path, eos_token: str) -> int:
-    """tokenizer.json (byte-level BPE, `SPECIAL_TOKENS` at ids 0, 1, 2) and tokenizer_config.json
-    (the ChatML template) in `directory`; returns the answer's token id."""
+def write_chat_tokenizer(directory: Path, eos_token: str, added: tuple[str, ...] = ()) -> int:
+    """tokenizer.json (byte-level BPE, `SPECIAL_TOKENS` at ids 0, 1, 2, then `added` as added
+    tokens that are not special) and tokenizer_config.json (the ChatML template) in `directory`;
+    returns the answer's token id."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(SCALED_DOWN["vocab_size"])
+    tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in added])
     tokenizer.save(str(directory / "tokenizer.json"))
     tokenizer_config = {
         "bos_token": "<|endoftext|>",
@@ -135,10 +148,12 @@ def _tokenizer(vocab_size: int) -> BackendTokenizer:
     return tokenizer
 
 
-def scripted_weights(config: LoopedConfig, answer_id: int) -> dict[str, torch.Tensor]:
+def scripted_weights(
+    config: LoopedConfig, answer_id: int, after_answer: int = 2
+) -> dict[str, torch.Tensor]:
     """Any family's weights: layers that add nothing (zero output projections), an embedding
     that tells the answer token from every other, and an LM head that maps other -> answer ->
-    <|im_end|>."""
+    `after_answer` (<|im_end|>)."""
     tensors = random_state_dict(config, seed=0, dtype=torch.float32)
     for name in tensors:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -150,7 +165,7 @@ def scripted_weights(config: LoopedConfig, answer_id: int) -> dict[str, torch.Te
     embedding[answer_id, 1] = 1.0
     head = torch.zeros(config.vocab_size, config.hidden_size)
     head[answer_id, 0] = 10.0  # any other token -> the answer (a logit of 80 after the norm)
-    head[2, 1] = 10.0  # the answer -> <|im_end|>
+    head[after_answer, 1] = 10.0  # the answer -> <|im_end|>
     tensors["model.embed_tokens.weight"] = embedding
     tensors["lm_head.weight"] = head
     return {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in tensors.items()}

@@ -87,7 +87,8 @@ class LLM:
         add_generation_prompt: bool = True,
         reasoning_parser: str = "auto",
         tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str = "auto",
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
         tool_call_parser: str = "auto",
     ) -> list[RequestOutput]:
         """Answer conversations: each is rendered with the chat template and generated from.
@@ -102,38 +103,42 @@ class LLM:
             add_generation_prompt: end the prompt with the header of the assistant's turn.
             reasoning_parser: as the server's `--reasoning-parser` (auto: `deepseek_r1` when the
                 template writes <think>); with one, each sequence's `reasoning_content` and
-                `content` hold its text split (its `text` stays whole).
+                `content` hold its text split (its `text` stays whole); a params'
+                `structured_outputs` then constrains the reply after its `</think>`.
             tools: OpenAI tool specs (`{"type": "function", "function": {"name", "parameters"}}`)
                 for the template to render; each sequence's `tool_calls` then holds the calls
                 parsed out of its reply and `content` the text around them.
-            tool_choice: "auto" (the model may call the tools) or "none" (they are not offered).
+            tool_choice: "auto" (the model may call the tools), "none" (they are not offered),
+                "required" (the reply is one or more calls) or a named function
+                (`{"type": "function", "function": {"name": ...}}`: one call of it); the last
+                two are enforced by a grammar, so the calls always parse and their arguments
+                match the functions' schemas.
+            parallel_tool_calls: False: a "required" reply is exactly one call.
             tool_call_parser: as the server's `--tool-call-parser` (auto: `hermes` when the
                 template writes <tool_call>).
         Returns:
             One RequestOutput per conversation; its `prompt` is the rendered text.
         Raises:
             ValueError: no chat template, the template refused a conversation, malformed tools,
-                a tool_choice other than auto / none, tools without a tool-call parser, or `n`
-                differs from a params' `n`.
+                an unknown tool_choice (or one naming no tool), tools without a tool-call
+                parser, tool_choice required or named with params that carry their own
+                structured_outputs, or `n` differs from a params' `n`.
         """
         from loopserve.entrypoints.chat_prompts import check_tools, render_conversations
         from loopserve.entrypoints.reasoning import (
+            after_reasoning,
             opens_reasoning,
             split_reasoning,
             splits_reasoning,
         )
         from loopserve.entrypoints.tool_calls import (
-            TOOL_CHOICES,
             parse_tool_calls,
             parses_tool_calls,
+            tool_call_constraint,
         )
 
-        if tool_choice not in TOOL_CHOICES:
-            raise ValueError(
-                f"tool_choice must be one of {TOOL_CHOICES}, got {tool_choice!r}: 'required' and "
-                "a named function need constrained decoding, which loopserve does not have yet"
-            )
-        offered = check_tools(tools) if tools is not None and tool_choice == "auto" else None
+        offered = check_tools(tools) if tools is not None and tool_choice != "none" else None
+        calls_only = tool_call_constraint(offered or [], tool_choice, parallel_tool_calls)
         texts, token_ids, template = render_conversations(
             messages,
             self.tokenizer,
@@ -149,6 +154,21 @@ class LLM:
                 "<tool_call>, or tool_call_parser is 'none'); pass tool_call_parser='hermes'"
             )
         params = self._params_list(sampling_params, len(texts))
+        if calls_only is not None:
+            if any(p.structured_outputs is not None for p in params):
+                raise ValueError(
+                    "tool_choice required or named constrains the reply itself: leave "
+                    "structured_outputs unset in the sampling params"
+                )
+            params = [replace(p, structured_outputs=calls_only) for p in params]
+        if split:
+            params = [
+                replace(
+                    p,
+                    structured_outputs=after_reasoning(p.structured_outputs, opens_reasoning(text)),
+                )
+                for p, text in zip(params, texts, strict=True)
+            ]
         outputs = self._generate(list(token_ids), params, n, use_tqdm)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text

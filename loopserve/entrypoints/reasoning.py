@@ -12,6 +12,10 @@ about requests (the chat writer and `LLM.chat` feed it text).
 
 from __future__ import annotations
 
+import dataclasses
+
+from loopserve.structured_outputs import StructuredOutputsParams
+
 START, END = "<think>", "</think>"
 # `--reasoning-parser` values.
 PARSERS = ("auto", "deepseek_r1", "none")
@@ -38,6 +42,16 @@ def parser_runs(
 def opens_reasoning(prompt: str) -> bool:
     """Whether a reply to `prompt` starts inside the reasoning: its last `<think>` is not closed."""
     return prompt.rfind(START) > prompt.rfind(END)
+
+
+def after_reasoning(
+    constraint: StructuredOutputsParams | None, in_reasoning: bool | None
+) -> StructuredOutputsParams | None:
+    """A reply that starts inside the reasoning is free until `</think>`, then constrained (the
+    engine refuses, saying so, where `</think>` is not one token of the vocabulary)."""
+    if constraint is None or not in_reasoning or constraint.begin_after is not None:
+        return constraint
+    return dataclasses.replace(constraint, begin_after=END)
 
 
 def split_reasoning(text: str, in_reasoning: bool) -> tuple[str | None, str]:

@@ -141,7 +141,10 @@ def _as_lark(grammar: str | None) -> str:
     assert grammar is not None
     if "::=" not in grammar:
         return grammar
-    from llguidance.gbnf_to_lark import gbnf_to_lark
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-    lark: str = gbnf_to_lark(grammar)
+    try:
+        lark: str = gbnf_to_lark(grammar)
+    except GbnfToLarkError as error:  # not a ValueError
+        raise ValueError(f"the GBNF grammar does not parse: {error}") from None
     return lark

@@ -1,18 +1,29 @@
 """`LLM.chat` with tools: the tools and tool messages reach the chat template, a reply without a
 call is content with no calls, a reply holding Hermes `<tool_call>` blocks gives parsed
-`tool_calls` and the text around them as `content`; bad tools, `required` / named choices and
-tools without a parser are refused before anything is generated."""
+`tool_calls` and the text around them as `content`, `required` and named choices force a call that
+parses; bad tools and choices, and tools without a parser, are refused before anything is
+generated."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 
-from loopserve import LLM
+from loopserve import LLM, SamplingParams
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loopserve.structured_outputs import StructuredOutputsParams
 from tests.real_ouro import ANSWER, write_ouro_like_checkpoint
 from tests.server.test_tool_calls_chat import HI, TOOLS_TEMPLATE, WEATHER
+
+# get_weather's arguments, bounded so that a model always finishes writing them.
+BOUNDED = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +87,41 @@ def test_calls_in_a_reply_are_parsed(llm: LLM, monkeypatch: pytest.MonkeyPatch) 
     assert call.id.startswith("call_") and sequence.text == reply
 
 
+def test_a_required_tool_choice_gives_a_call_that_parses(llm: LLM) -> None:
+    """The scripted model, which never writes a call by itself, writes one when it must."""
+    import jsonschema
+
+    tool = {**WEATHER, "function": {**WEATHER["function"], "parameters": BOUNDED}}
+    params = SamplingParams(max_tokens=80, temperature=0.0)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        sequence = chat(
+            llm, tools=[tool], tool_choice=choice, parallel_tool_calls=False,
+            sampling_params=params,
+        ).outputs[0]  # fmt: skip
+        assert sequence.finish_reason == "stop" and sequence.tool_calls, sequence.text
+        (call,) = sequence.tool_calls
+        assert call.name == "get_weather" and sequence.content == ""
+        jsonschema.validate(json.loads(call.arguments), BOUNDED)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"tools": [WEATHER], "tool_choice": "required"}, "need constrained decoding"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "not among the tools",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice must be one of"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "sampling_params": SamplingParams(
+                    structured_outputs=StructuredOutputsParams(regex="a")
+                ),
+            },
+            "leave structured_outputs unset",
+        ),
         ({"tools": [{"type": "function", "function": {}}]}, "each tool must be"),
         ({"tools": "get_weather"}, "tools must be a non-empty list"),
         ({"tools": [WEATHER], "tool_call_parser": "none"}, "no tool-call parser runs"),

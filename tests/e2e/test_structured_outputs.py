@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from functools import cache
 from pathlib import Path
 
@@ -17,21 +16,8 @@ import pytest
 from loopserve import LLM, SamplingParams
 from loopserve.reference import SerialReference
 from loopserve.structured_outputs import StructuredOutputsParams as Spec
+from tests.constraint_cases import CHOICE, GRAMMAR, REGEX, SCHEMA, check_matches, random_schema
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": -5, "maximum": 300},
-        "b": {"enum": ["x", "yy", 3]},
-    },
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
-REGEX = r"(ab|cd)+[0-9]{2}"
-CHOICE = ("alpha", "beta")
-# Balanced sums of digits: "(2+(1+3))".
-GRAMMAR = 'start: expr\nexpr: NUM | "(" expr "+" expr ")"\nNUM: /[0-9]/'
-GRAMMAR_TEXT = re.compile(r"[0-9]|\([0-9()+]*\)")
 CASES = [
     ("def fibonacci(n):\n", Spec(json=SCHEMA)),
     ("import os\n", Spec(regex=REGEX)),
@@ -53,19 +39,6 @@ def params(index: int, spec: Spec | None, max_tokens: int = 40) -> SamplingParam
         exit_threshold=THRESHOLD,
         structured_outputs=spec,
     )
-
-
-def check_matches(spec: Spec, text: str) -> None:
-    if spec.kind == "json":
-        assert json.loads(text).keys() == {"a", "b"}
-    elif spec.kind == "json_object":
-        assert isinstance(json.loads(text), dict)
-    elif spec.kind == "regex":
-        assert re.fullmatch(REGEX, text)
-    elif spec.kind == "choice":
-        assert text in CHOICE
-    else:
-        assert GRAMMAR_TEXT.fullmatch(text) and text.count("(") == text.count("+")
 
 
 @cache
@@ -114,39 +87,6 @@ def test_constrained_engine_equals_reference(
     if num_kv_pages == 60:
         assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.stats().kv_pages_used == 0
-
-
-def random_schema(rng: random.Random, depth: int = 0) -> dict[str, object]:
-    """A JSON schema of nested objects, arrays, enums, bounded numbers and strings."""
-    kinds = ["integer", "number", "string", "enum", "boolean"]
-    if depth < 2:
-        kinds += ["object", "array"]
-    kind = rng.choice(kinds)
-    if kind == "integer":
-        low = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
-    if kind == "number":  # without multipleOf a model may write fraction digits forever
-        low, step = round(rng.uniform(-10, 10), 2), rng.choice([0.5, 0.25])
-        return {"type": "number", "minimum": low, "maximum": low + 20, "multipleOf": step}
-    if kind == "string":
-        return {"type": "string", "maxLength": rng.randint(1, 6)}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", 7, None, "a b", True], rng.randint(1, 4))}
-    if kind == "boolean":
-        return {"type": "boolean"}
-    if kind == "array":
-        low = rng.randint(0, 2)
-        items = random_schema(rng, depth + 1)
-        return {"type": "array", "items": items, "minItems": low, "maxItems": low + 2}
-    names = rng.sample(["id", "name", "size", "tags", "meta", "ok", "when"], rng.randint(1, 3))
-    properties = {name: random_schema(rng, depth + 1) for name in names}
-    required = [name for name in names if rng.random() < 0.7]
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": required,
-        "additionalProperties": False,
-    }
 
 
 def test_one_hundred_random_schemas_yield_valid_json() -> None:

@@ -99,9 +99,15 @@ def _completion_cases() -> list[Case]:
         ("logprobs", 21, "logprobs"), ("logprobs", 10**9, "logprobs"), ("best_of", 3, "best_of"),
         ("suffix", "tail", "suffix"), ("presence_penalty", 0.5, "presence_penalty"),
         ("frequency_penalty", True, "frequency_penalty"), ("logit_bias", {"1": 5}, "logit_bias"),
-        ("structured_outputs", {"regex": "[0-9]+"}, "structured_outputs"),
-        ("guided_json", {"type": "object"}, "guided_json"),
-        ("guided_choice", ["a", "b"], "guided_choice"),
+        ("structured_outputs", {"regex": "(ab"}, "structured_outputs"),
+        ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs"),
+        ("structured_outputs", {"grammar": "start: ("}, "structured_outputs"),
+        ("structured_outputs", {"json": {"type": "object"}, "bogus": 1}, "structured_outputs"),
+        ("structured_outputs", {"json": {"type": "nonsense"}}, "structured_outputs"),
+        ("structured_outputs", "[0-9]+", "structured_outputs"),
+        ("guided_json", "{bad", "guided_json"), ("guided_choice", [], "guided_choice"),
+        ("guided_regex", "[z-a]", "guided_regex"),
+        ("guided_grammar", "root ::= (", "guided_grammar"),
         ("model", "\ud83d", "model"), ("model", "gpt-9", "model"),
     ]  # fmt: skip
     cases = [_field_case(COMPLETIONS, name, value, names) for name, value, names in values]
@@ -116,6 +122,8 @@ def _completion_cases() -> list[Case]:
     )
     both = {**VALID_COMPLETION, "echo": True, "logprobs": 1}
     cases.append(Case("completions:echo with logprobs", COMPLETIONS, _json(both), "logprobs"))
+    two = {**VALID_COMPLETION, "guided_regex": "a", "structured_outputs": {"choice": ["b"]}}
+    cases.append(Case("completions:two constraints", COMPLETIONS, _json(two), "guided_regex"))
     return cases
 
 
@@ -139,12 +147,24 @@ def _chat_cases() -> list[Case]:
         ("add_generation_prompt", 1, "add_generation_prompt"),
         ("max_completion_tokens", 0, "max_completion_tokens"),
         ("max_completion_tokens", True, "max_completion_tokens"), ("tools", [{}], "tools"),
-        ("response_format", {"type": "json_object"}, "response_format"),
+        ("response_format", {"type": "xml"}, "response_format"),
+        ("response_format", {"type": "json_schema"}, "response_format"),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": []}},
+         "response_format"),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": {}, "strict": 1}},
+         "response_format"),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}},
+         "response_format"),
         ("response_format", "text", "response_format"),
-        ("structured_outputs", {"choice": ["a"]}, "structured_outputs"),
-        ("guided_regex", "[a-z]", "guided_regex"),
+        ("structured_outputs", {"choice": []}, "structured_outputs"),
+        ("guided_regex", "(", "guided_regex"), ("tool_choice", "required", "tool_choice"),
+        ("tool_choice", "sometimes", "tool_choice"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice"),
     ]  # fmt: skip
     cases = [_field_case(CHAT, name, value, names) for name, value, names in values]
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+    two = {**VALID_CHAT, "response_format": schema, "guided_choice": ["a"]}
+    cases.append(Case("chat:two constraints", CHAT, _json(two), "guided_choice"))
     orphan = {**VALID_CHAT, "top_logprobs": 2}
     cases.append(Case("chat:top_logprobs without logprobs", CHAT, _json(orphan), "top_logprobs"))
     return cases

@@ -1,6 +1,7 @@
 """Chat requests with tools: the tools and tool messages reach the chat template, a reply with no
-call is plain content, tool_choice 'required' and a server without a parser are 400s. (The
-scripted model cannot write a call; tests/unit/test_tool_calls.py holds the parser.)"""
+call is plain content, a server without a parser answers 400. (The scripted model writes no call
+by itself; tests/unit/test_tool_calls.py holds the parser, and test_structured_outputs_server.py
+the calls that `tool_choice` required / named force.)"""
 
 from __future__ import annotations
 
@@ -82,14 +83,6 @@ def test_a_stream_with_tools_carries_the_content(server: RunningServer) -> None:
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         text = "".join(line for line in r.iter_lines())
     assert ANSWER in text and '"tool_calls":[' not in text
-
-
-@pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_forced_tool_choices_are_refused(server: RunningServer, choice: Any) -> None:
-    reply = _post(server, tools=[WEATHER], tool_choice=choice)
-    assert reply.status_code == 400 and "constrained decoding" in reply.json()["error"]["message"]
 
 
 def test_a_server_that_parses_no_calls_refuses_tools(ouro_dir: Path) -> None:

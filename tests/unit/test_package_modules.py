@@ -47,10 +47,10 @@ MODULES: dict[str, set[str]] = {
         "sampling_args", "serve", "train_tiny",
     },
     "entrypoints/openai": {
-        "__init__", "app", "auth", "body", "chat_template", "choice_state", "config", "context",
-        "engine_thread", "errors", "generation", "limits", "logprobs", "metrics", "prompts",
-        "protocol", "responses", "server", "serving", "serving_chat", "serving_completions",
-        "streaming",
+        "__init__", "app", "auth", "body", "chat_template", "choice_state", "config", "constraints",
+        "context", "engine_thread", "errors", "generation", "limits", "logprobs", "metrics",
+        "prompts", "protocol", "responses", "server", "serving", "serving_chat",
+        "serving_completions", "streaming",
     },
     "eval": {
         "__init__", "early_exit_perplexity", "fingerprint", "gsm8k", "gsm8k_baseline",

@@ -83,6 +83,7 @@ def test_properties_are_written_in_the_schema_s_order(compiler: GrammarCompiler)
         (StructuredOutputsParams(json={"type": "foo"}), "(?s)json does not compile.*foo"),
         (StructuredOutputsParams(regex="[a-"), "(?s)regex does not compile.*unclosed"),
         (StructuredOutputsParams(grammar="start: undefined_rule"), "grammar does not compile"),
+        (StructuredOutputsParams(grammar="root ::= ("), "GBNF grammar does not parse.*Expected"),
     ],
 )
 def test_uncompilable_constraints_say_why(

@@ -22,8 +22,14 @@ from loopserve.outputs import RequestOutput
 
 
 class Generation:
-    def __init__(self, engine: EngineThread, requests: Sequence[EngineRequest]) -> None:
+    def __init__(
+        self,
+        engine: EngineThread,
+        requests: Sequence[EngineRequest],
+        constraint_field: str | None = None,
+    ) -> None:
         self._engine = engine
+        self._constraint_field = constraint_field
         self._requests = requests
         self._queue: OutputQueue = asyncio.Queue()
         self._unfinished = {request.request_id for request in requests}
@@ -34,13 +40,22 @@ class Generation:
             await self._engine.add(self._requests, self._queue)
         except ValueError as error:
             self._unfinished.clear()  # the engine queued none of them
-            raise bad_request(str(error), field_named_in(str(error))) from None
+            raise self._rejected(str(error)) from None
         except EngineDeadError as error:
             self._unfinished.clear()
             raise _unavailable(error) from None
         except BaseException:
             self.close()  # cancelled while the engine may have taken them
             raise
+
+    def _rejected(self, message: str) -> OpenAIError:
+        """The 400 of an engine rejection, naming the field the client wrote: a constraint that
+        does not compile came from `structured_outputs`, `response_format`, `tool_choice`..."""
+        field = field_named_in(message)
+        if field == "structured_outputs" and self._constraint_field not in (None, field):
+            field = self._constraint_field
+            message = f"{field}: {message}"
+        return bad_request(message, field)
 
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         """Outputs in arrival order, as many as are ready at a time, until all requests finish."""

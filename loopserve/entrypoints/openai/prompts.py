@@ -21,6 +21,7 @@ from loopserve.entrypoints.openai.limits import RequestLimits
 from loopserve.entrypoints.openai.protocol import GenerationFields, PromptInput, field_named_in
 from loopserve.models.generation_config import SamplingDefaults
 from loopserve.sampling_params import SamplingParams
+from loopserve.structured_outputs import StructuredOutputsParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +106,12 @@ def plan_choices(
     options: ChoiceOptions,
     max_model_len: int,
     defaults: SamplingDefaults | None = None,
+    constraint: StructuredOutputsParams | None = None,
 ) -> list[ChoicePlan]:
     """One engine request per (prompt, choice); choice `index` = prompt_index * n + choice
     (the number of choices was checked against the server's limit before tokenizing).
-    `defaults`: the checkpoint's sampling defaults for the fields the request leaves unset."""
+    `defaults`: the checkpoint's sampling defaults for the fields the request leaves unset;
+    `constraint`: what every choice's output must match (`constraints.request_constraint`)."""
     defaults = defaults or SamplingDefaults()
     plans = []
     for prompt_index, prompt in enumerate(prompts):
@@ -117,7 +120,9 @@ def plan_choices(
             max_tokens = min(max_tokens, defaults.max_tokens)
         for choice in range(request.n):
             seed = None if request.seed is None else request.seed + choice
-            params = sampling_params(request, max_tokens, options.logprobs, seed, defaults)
+            params = sampling_params(
+                request, max_tokens, options.logprobs, seed, defaults, constraint
+            )
             index = prompt_index * request.n + choice
             engine_request = EngineRequest(f"{base_id}-{index}", prompt.token_ids, params)
             plans.append(ChoicePlan(index, prompt_index, prompt, engine_request))
@@ -156,6 +161,7 @@ def sampling_params(
     logprobs: int | None,
     seed: int | None,
     defaults: SamplingDefaults | None = None,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's params for one choice; a 400 OpenAIError when they are invalid. Sampling
     fields the request leaves unset take `defaults`, then SamplingParams' own."""
@@ -178,6 +184,7 @@ def sampling_params(
             min_loops=request.min_loops,
             max_loops=request.max_loops,
             exit_threshold=request.exit_threshold,
+            structured_outputs=constraint,
         )
     except (TypeError, ValueError) as error:
         raise bad_request(str(error), field_named_in(str(error))) from None

@@ -50,11 +50,6 @@ _PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
-_CONSTRAINT_FIELDS = (
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-)  # fmt: skip
-
-
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -93,8 +88,7 @@ class GenerationFields(_Model):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    # Constrained decoding (vLLM's fields): refused, whatever their value, until the decode step
-    # applies token masks (a client must not get unconstrained text it believes constrained).
+    # Constrained decoding (vLLM's fields), read by `constraints.request_constraint`.
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -113,13 +107,6 @@ class GenerationFields(_Model):
     def _check_stream_options(self) -> GenerationFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true")
-        return self
-
-    @model_validator(mode="after")
-    def _refuse_constraints(self) -> GenerationFields:
-        for name in _CONSTRAINT_FIELDS:
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: constrained decoding is not served yet; leave it unset")
         return self
 
     @property
@@ -227,22 +214,19 @@ class ChatCompletionRequest(GenerationFields):
     # Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": true}.
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ToolSpec], Field(fail_fast=True)] | None = None
-    # "auto" (the default with tools) or "none"; "required" and a named function need
-    # constrained decoding, which is refused until it exists.
+    # "auto" (the default with tools), "none", "required" or a named function (the last two
+    # constrain the reply to tool calls: `constraints.request_constraint`).
     tool_choice: str | dict[str, Any] | None = None
+    # False: a reply to tool_choice "required" is exactly one call (with "auto" nothing counts
+    # the calls a model writes).
+    parallel_tool_calls: bool = True
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError(
-                "tool_choice must be 'auto' or 'none': 'required' and a named function need "
-                "constrained decoding, which this server does not have yet"
-            )
         return self
 
     @property
@@ -275,9 +259,10 @@ def parse_request(model: type[_Request], body: Any) -> _Request:
 
 
 def field_named_in(message: str) -> str | None:
-    """The request field an error message starts with (`top_p must be ...`, `stop[1] must ...`),
-    as `SamplingParams` and engine errors do; None when it starts with something else."""
-    first = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
+    """The request field an error message starts with (`top_p must be ...`, `stop[1] must ...`,
+    `structured_outputs.regex: ...`), as `SamplingParams` and engine errors do; None when it
+    starts with something else."""
+    first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0].rstrip(":")
     return first if first in _FIELDS else None
 
 

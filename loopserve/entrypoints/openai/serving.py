@@ -57,9 +57,11 @@ async def respond(
     plans: Sequence[ChoicePlan],
     stream: bool,
     writer: ResponseWriter,
+    constraint_field: str | None = None,
 ) -> Response:
-    """Run the plans' engine requests and answer with their result (JSON or SSE)."""
-    generation = Generation(engine, [plan.request for plan in plans])
+    """Run the plans' engine requests and answer with their result (JSON or SSE);
+    `constraint_field`: the request field their output constraint came from."""
+    generation = Generation(engine, [plan.request for plan in plans], constraint_field)
     await generation.start()
     if stream:
         return EventStreamResponse(_events(writer.chunks(generation)), on_close=generation.close)

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from loopserve.entrypoints.openai.body import parse_json_body, read_body
 from loopserve.entrypoints.openai.chat_template import ChatTemplateError
 from loopserve.entrypoints.openai.choice_state import ChoiceDelta
+from loopserve.entrypoints.openai.constraints import request_constraint
 from loopserve.entrypoints.openai.context import ServingContext
 from loopserve.entrypoints.openai.errors import bad_request
 from loopserve.entrypoints.openai.generation import Generation
@@ -53,7 +54,12 @@ from loopserve.entrypoints.openai.serving import (
     respond,
     usage,
 )
-from loopserve.entrypoints.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning
+from loopserve.entrypoints.reasoning import (
+    ReasoningSplitter,
+    after_reasoning,
+    opens_reasoning,
+    split_reasoning,
+)
 from loopserve.entrypoints.tool_calls import ToolCallStreamer, parse_tool_calls
 from loopserve.outputs import RequestOutput, TokenLogprobs, ToolCall
 
@@ -62,7 +68,10 @@ async def create_chat_completion(request: Request, context: ServingContext) -> R
     body = await read_body(request, context.config.max_request_bytes)
     prepared = await context.off_loop(_prepare, body, context)
     writer = _ChatWriter(prepared, context)
-    return await respond(request, context.engine, prepared.plans, prepared.chat.stream, writer)
+    constraint = prepared.constraint_field
+    return await respond(
+        request, context.engine, prepared.plans, prepared.chat.stream, writer, constraint
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,7 @@ class _Prepared:
     # With a reasoning parser: whether replies start inside the reasoning; None: no parser.
     in_reasoning: bool | None
     calls_tools: bool  # replies are parsed for tool calls
+    constraint_field: str | None  # the request field that constrains the output
 
 
 def _prepare(body: bytes, context: ServingContext) -> _Prepared:
@@ -85,6 +95,8 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
     limits.check_choices(1, chat.n)
     limits.check_stop(chat.stop_strings, stop_ids(chat, context.model))
     limits.check_logprobs(chat.num_logprobs, "top_logprobs")
+    constraint = request_constraint(chat)
+    field, params = (None, None) if constraint is None else (constraint.field, constraint.params)
     if chat.tools and not context.parses_tool_calls:
         raise bad_request(
             "this server parses no tool calls (its chat template writes no <tool_call>, or it "
@@ -101,8 +113,9 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
         options,
         context.model.max_model_len,
         context.model.sampling_defaults,
+        after_reasoning(params, in_reasoning),
     )
-    return _Prepared(identity, chat, plans, in_reasoning, chat.calls_tools)
+    return _Prepared(identity, chat, plans, in_reasoning, chat.calls_tools, field)
 
 
 def _chat_prompt(chat: ChatCompletionRequest, context: ServingContext) -> tuple[Prompt, str]:

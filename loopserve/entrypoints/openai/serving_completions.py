@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from loopserve.entrypoints.openai.body import parse_json_body, read_body
 from loopserve.entrypoints.openai.choice_state import ChoiceDelta
+from loopserve.entrypoints.openai.constraints import request_constraint
 from loopserve.entrypoints.openai.context import ServingContext
 from loopserve.entrypoints.openai.generation import Generation
 from loopserve.entrypoints.openai.prompts import (
@@ -50,7 +51,12 @@ async def create_completion(request: Request, context: ServingContext) -> Respon
     prepared = await context.off_loop(_prepare, body, context)
     writer = _CompletionWriter(prepared.identity, prepared.plans, prepared.completion, context)
     return await respond(
-        request, context.engine, prepared.plans, prepared.completion.stream, writer
+        request,
+        context.engine,
+        prepared.plans,
+        prepared.completion.stream,
+        writer,
+        prepared.constraint_field,
     )
 
 
@@ -59,6 +65,7 @@ class _Prepared:
     identity: ResponseIdentity
     completion: CompletionRequest
     plans: list[ChoicePlan]
+    constraint_field: str | None  # the request field that constrains the output
 
 
 def _prepare(body: bytes, context: ServingContext) -> _Prepared:
@@ -72,6 +79,8 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
     limits.check_choices(len(batch), completion.n)
     limits.check_stop(completion.stop_strings, stop_ids(completion, context.model))
     limits.check_logprobs(completion.logprobs, "logprobs")
+    constraint = request_constraint(completion)
+    field, params = (None, None) if constraint is None else (constraint.field, constraint.params)
     prompts = tokenize_prompts(batch, context.model, limits, keep_text=completion.echo)
     options = ChoiceOptions(completion.max_tokens, completion.logprobs, "prompt")
     plans = plan_choices(
@@ -81,8 +90,9 @@ def _prepare(body: bytes, context: ServingContext) -> _Prepared:
         options,
         context.model.max_model_len,
         context.model.sampling_defaults,
+        params,
     )
-    return _Prepared(identity, completion, plans)
+    return _Prepared(identity, completion, plans, field)
 
 
 class _CompletionWriter:
