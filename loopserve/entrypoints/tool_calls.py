@@ -93,6 +93,12 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(value["name"], text)
 
 
+def forces_calls(tool_choice: str | Mapping[str, Any] | None) -> bool:
+    """Whether `tool_choice` makes the reply tool calls ("required" or a named function; an
+    unknown choice too, so that `tool_call_constraint` refuses it)."""
+    return tool_choice not in (None, "auto", "none")
+
+
 def tool_call_constraint(
     tools: Sequence[Mapping[str, Any]],
     tool_choice: str | Mapping[str, Any] | None,
@@ -101,7 +107,7 @@ def tool_call_constraint(
     """The constraint `tool_choice` puts on a reply: "required", one call or more (exactly one
     unless `parallel`), a named function, one call of it; None for "auto", "none" and unset.
     ValueError when the choice is unknown, names no offered tool, or there are no tools."""
-    if tool_choice in (None, "auto", "none"):
+    if not forces_calls(tool_choice):
         return None
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if not functions:

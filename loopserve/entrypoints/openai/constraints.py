@@ -17,7 +17,7 @@ from typing import Any
 
 from loopserve.entrypoints.openai.errors import bad_request
 from loopserve.entrypoints.openai.protocol import ChatCompletionRequest, GenerationFields
-from loopserve.entrypoints.tool_calls import tool_call_constraint
+from loopserve.entrypoints.tool_calls import forces_calls, tool_call_constraint
 from loopserve.structured_outputs import StructuredOutputsParams
 
 # vLLM's older request fields -> the kind of constraint each gives.
@@ -49,7 +49,7 @@ def request_constraint(request: GenerationFields) -> RequestConstraint | None:
         response_format = request.response_format
         if response_format is not None and response_format.get("type") != "text":
             given.append(("response_format", lambda: _response_format(response_format)))
-        if request.tool_choice not in (None, "auto", "none"):
+        if forces_calls(request.tool_choice):
             given.append(("tool_choice", lambda: _tool_choice(request)))
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)
