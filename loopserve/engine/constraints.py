@@ -8,15 +8,22 @@ does not compile is a ValueError and queues nothing), advancing its state on eac
 token (`PrefillChunk.token_mask`), a slot that starts, and a slot whose request learned a token
 since the last step (`SchedulerOutput.token_masks`). Must not: import torch, or decide when a row
 may exit without its bitmask (the decode step holds such rows, `runner.token_masks`).
+
+When bitmasks are computed: a slot's next bitmask is needed by the step after the one the host
+learns its token in, and nothing else waits on the host meanwhile, so the masks of the requests
+that learned tokens start on a worker thread as soon as the tokens are accepted (`prepare`) and
+the engine builds that step's outputs and schedules the next while they run; `attach` collects
+them. Masks for prompts and starting slots (rare) are computed in `attach` itself.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from loopserve.engine.scheduler_output import SchedulerOutput, TokenMask
-from loopserve.structured.grammar import GrammarCompiler, GrammarState
+from loopserve.structured.grammar import GrammarCompiler, GrammarState, MaskWorker
 from loopserve.structured_outputs import StructuredOutputsParams
 from loopserve.tokenizer import Tokenizer
 
@@ -41,6 +48,10 @@ class Constraints:
         self._compiler: GrammarCompiler | None = None
         self._states: dict[str, GrammarState] = {}
         self._learned: set[str] = set()  # requests that accepted a token since the last attach
+        self._worker: MaskWorker | None = None
+        # The batch `prepare` started: its states (with the index each mask is for) and masks.
+        self._pending: tuple[list[tuple[str, GrammarState, int]], Future[list[bytes]]] | None = None
+        self._ready: dict[str, tuple[GrammarState, int, bytes]] = {}
 
     def check(self, spec: StructuredOutputsParams) -> GrammarState:
         """A fresh state for `spec`; ValueError, saying why, when it cannot be served."""
@@ -68,6 +79,7 @@ class Constraints:
         state = self._states.get(request_id)
         if state is None:
             return None
+        self._settle()  # a state is never advanced while its mask is being computed
         try:
             for token in token_ids:
                 state.accept(token)
@@ -81,9 +93,43 @@ class Constraints:
         """Forget a finished request."""
         self._states.pop(request_id, None)
         self._learned.discard(request_id)
+        self._ready.pop(request_id, None)
+
+    def prepare(self) -> None:
+        """Start computing the bitmasks of the requests that learned tokens (see the module
+        docstring); `attach` uses them when their request is still at the same token."""
+        self._settle()
+        batch = [
+            (request_id, state, state.num_accepted)
+            for request_id in sorted(self._learned)
+            if (state := self._states[request_id]).active
+        ]
+        if not batch:
+            return
+        if self._worker is None:
+            assert self._compiler is not None  # a state exists, so a compiler made it
+            self._worker = MaskWorker(self._compiler.mask_words)
+        self._pending = batch, self._worker.submit([state for _, state, _ in batch])
+
+    def _settle(self) -> None:
+        """Wait for the batch in flight, if any, and keep its masks."""
+        if self._pending is None:
+            return
+        batch, future = self._pending
+        self._pending = None
+        for (request_id, state, index), words in zip(batch, future.result(), strict=True):
+            self._ready[request_id] = state, index, words
+
+    def _mask(self, request_id: str, state: GrammarState) -> bytes | None:
+        """The request's bitmask now: the prepared one when it is still current."""
+        ready = self._ready.pop(request_id, None)
+        if ready is not None and ready[0] is state and ready[1] == state.num_accepted:
+            return ready[2]
+        return state.mask()
 
     def attach(self, scheduled: SchedulerOutput) -> None:
         """The bitmasks the step needs, on `scheduled` (see the module docstring)."""
+        self._settle()
         if not self._states:
             return
         for chunk in scheduled.prefill_chunks:
@@ -95,20 +141,22 @@ class Constraints:
         for start in scheduled.slot_starts:
             request_id = scheduled.decode_slots.get(start.slot)
             state = self._states.get(request_id) if request_id is not None else None
-            if state is None:
+            if request_id is None or state is None:
                 continue
             started.add(start.slot)
             begin_after = state.begin_after if state.begin_after is not None else -1
-            masks.append(TokenMask(start.slot, start.num_output_tokens, state.mask(), begin_after))
+            words = self._mask(request_id, state)
+            masks.append(TokenMask(start.slot, start.num_output_tokens, words, begin_after))
         slots = {request_id: slot for slot, request_id in scheduled.decode_slots.items()}
         for request_id in sorted(self._learned):
             slot = slots.get(request_id)
             state = self._states[request_id]
             if slot is None or slot in started:
                 continue  # not decoding (preempted: its start will carry the bitmask) or started
-            words = state.mask()
+            words = self._mask(request_id, state)
             if words is not None:
                 begin_after = state.begin_after if state.begin_after is not None else -1
                 masks.append(TokenMask(slot, state.num_accepted, words, begin_after))
         self._learned.clear()
+        self._ready.clear()
         scheduled.token_masks = masks

@@ -274,10 +274,20 @@ class Engine:
 
     def _complete(self, scheduled: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         changed = self.scheduler.update(scheduled, pending.result())
+        verdicts = [
+            self.constraints.accept(request.request_id, request.output_token_ids[-1:])
+            for request in changed
+        ]
+        self.constraints.prepare()  # the next bitmasks, computed while the outputs are built
         now = time.monotonic()
-        return [self._after_token(request, now) for request in changed]
+        return [
+            self._after_token(request, now, verdict)
+            for request, verdict in zip(changed, verdicts, strict=True)
+        ]
 
-    def _after_token(self, request: Request, now: float) -> RequestOutput:
+    def _after_token(self, request: Request, now: float, verdict: str | None) -> RequestOutput:
+        """`verdict`: what the request's constraint says of its new token (`Constraints.accept`)."""
+
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -289,7 +299,6 @@ class Engine:
             new_text, stop = detokenizer.add(new_ids)
             if stop is not None and not request.finished:
                 self.scheduler.finish(request, "stop", stop_reason=stop)
-        verdict = self.constraints.accept(request.request_id, new_ids)
         if verdict is not None and not request.finished:
             self.scheduler.finish(request, verdict)  # complete ("stop") or broken ("abort")
         if request.finished:

@@ -24,8 +24,10 @@ import torch
 from loopserve.depth import policy
 from loopserve.depth.policy import RowDepth
 from loopserve.engine.scheduler_output import TokenMask
-from loopserve.kv.transfer import to_device
-from loopserve.sample.sampler import mask_tensors, mask_words
+from loopserve.sample.sampler import host_masks, mask_words
+
+# The columns ahead of the bitmask words in `SlotMasks.apply`'s upload.
+SLOT, INDEX, BEGIN_AFTER, FLAG, WORDS = range(5)
 
 
 class SlotMasks:
@@ -36,8 +38,8 @@ class SlotMasks:
         self.vocab_size = vocab_size
         self.device = device
         self.constrained = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.mask_index = torch.full((slots,), -1, dtype=torch.int64, device=device)
-        self.begin_after = torch.full((slots,), -1, dtype=torch.int64, device=device)
+        self.mask_index = torch.full((slots,), -1, dtype=torch.int32, device=device)
+        self.begin_after = torch.full((slots,), -1, dtype=torch.int32, device=device)
         self.token_mask = torch.zeros(
             (slots, mask_words(vocab_size)), dtype=torch.int32, device=device
         )
@@ -55,17 +57,23 @@ class SlotMasks:
             self._has_constraint[slot] = False
 
     def apply(self, masks: Sequence[TokenMask]) -> None:
-        """Write the bitmasks the engine prepared (after the step's slot starts)."""
+        """Write the bitmasks the engine prepared (after the step's slot starts): one upload of
+        [masks, WORDS + words] int32 rows, scattered into the slots' state."""
         if not masks:
             return
-        index = to_device([m.slot for m in masks], torch.int64, self.device)
-        self.mask_index[index] = to_device([m.index for m in masks], torch.int64, self.device)
-        self.begin_after[index] = to_device(
-            [m.begin_after for m in masks], torch.int64, self.device
+        header = torch.tensor(
+            [(m.slot, m.index, m.begin_after, m.words is not None) for m in masks],
+            dtype=torch.int32,
         )
-        flags, words = mask_tensors([m.words for m in masks], self.vocab_size, self.device)
-        self.constrained[index] = flags
-        self.token_mask[index] = words
+        host = torch.cat([header, host_masks([m.words for m in masks], self.vocab_size)], dim=1)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        rows = host.to(self.device, non_blocking=True)
+        index = rows[:, SLOT].long()
+        self.mask_index.index_copy_(0, index, rows[:, INDEX])
+        self.begin_after.index_copy_(0, index, rows[:, BEGIN_AFTER])
+        self.constrained.index_copy_(0, index, rows[:, FLAG] != 0)
+        self.token_mask.index_copy_(0, index, rows[:, WORDS:])
         for mask in masks:
             self._has_constraint[mask.slot] = True
 

@@ -100,16 +100,20 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def host_masks(masks: Sequence[bytes | None], vocab_size: int) -> torch.Tensor:
+    """[R, words] int32 on the host: each row's bitmask, zeros for a free (None) row."""
+    words = mask_words(vocab_size)
+    free = bytes(4 * words)
+    joined = bytearray(b"".join(free if mask is None else mask[: 4 * words] for mask in masks))
+    return torch.frombuffer(joined, dtype=torch.int32).view(len(masks), words)
+
+
 def mask_tensors(
     masks: Sequence[bytes | None], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(constrained [R] bool, bitmasks [R, words] int32) on `device`; a None row is free (its
     words are zeros, unused)."""
-    words = mask_words(vocab_size)
-    host = torch.zeros((len(masks), words), dtype=torch.int32)
-    for row, mask in enumerate(masks):
-        if mask is not None:
-            host[row] = torch.frombuffer(bytearray(mask), dtype=torch.int32)[:words]
+    host = host_masks(masks, vocab_size)
     if device.type == "cuda":
         host = host.pin_memory()
     flags = to_device([mask is not None for mask in masks], torch.bool, device)

@@ -12,8 +12,8 @@ xgrammar 0.2.9's import pulls in torch, transformers, sentencepiece and tiktoken
 torch-free engine can hold it, and it builds its vocabulary from `tokenizer.json` itself. The
 price: on the built-in vocabulary (4,096 tokens) its masks take 12-46 µs a token against
 xgrammar's 2-6 µs, though it compiles a schema 1.5-3x faster
-(`python -m benchmarks.grammar_backends`); masks are computed while the device runs the next
-step, so this is host time, overlapped.
+(`python -m benchmarks.grammar_backends`). Masks are host time: `MaskWorker` computes a step's
+batch of them on a thread of its own while the engine goes on building that step's outputs.
 
 JSON is written with `, ` and `: ` separators and no other whitespace (vLLM's
 `disable-any-whitespace`): a model that may write any amount of whitespace between tokens can
@@ -22,9 +22,12 @@ write it forever.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from loopserve.structured_outputs import StructuredOutputsParams
@@ -134,6 +137,40 @@ class GrammarState:
         """The constraint is satisfied and accepts nothing more."""
         stopped: bool = self._matcher.is_stopped()
         return self.active and stopped
+
+
+class MaskWorker:
+    """Computes the bitmasks of a batch of grammar states on one background thread.
+
+    llguidance releases the GIL for the whole batch (one `LLExecutor` call writing into one
+    buffer), so the caller's Python runs meanwhile; measured on this project's CPU machine, a
+    batch of 12 JSON masks on a 49,152-token vocabulary (~3 ms there) overlapped a 4 ms loop of
+    the caller's Python with 0.2 ms left to wait at `result`. A state must not be advanced while
+    its batch is in flight (the caller waits on the future first).
+    """
+
+    def __init__(self, mask_words: int) -> None:
+        import llguidance
+
+        self._mask_bytes = 4 * mask_words
+        self._executor = llguidance.LLExecutor(num_threads=1)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopserve-masks")
+
+    def submit(self, states: Sequence[GrammarState]) -> Future[list[bytes]]:
+        """The bitmask of each (active) state, as `GrammarState.mask` would give it."""
+        future = self._thread.submit(self._compute, [state._matcher for state in states])
+        # Hand the GIL over now, so the worker enters llguidance (which drops it) at once rather
+        # than at the interpreter's next thread switch (up to 5 ms away).
+        time.sleep(0)
+        return future
+
+    def _compute(self, matchers: list[Any]) -> list[bytes]:
+        size = self._mask_bytes
+        buffer = bytearray(size * len(matchers))
+        address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+        targets = [(matcher, row) for row, matcher in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(targets, address, size, len(matchers))
+        return [bytes(buffer[row * size : (row + 1) * size]) for row in range(len(matchers))]
 
 
 def _as_lark(grammar: str | None) -> str:

@@ -164,3 +164,16 @@ def test_compiling_and_masking_import_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_the_mask_worker_computes_what_each_state_would(compiler: GrammarCompiler) -> None:
+    """Masks from the worker thread (one llguidance batch) equal `GrammarState.mask`, on a
+    vocabulary that is not a whole number of 32-bit words."""
+    from loopserve.structured.grammar import MaskWorker
+
+    odd = GrammarCompiler((ASSET / "tokenizer.json").read_text(), compiler.vocab_size + 7, [EOS])
+    spec = StructuredOutputsParams(json='{"type": "array", "items": {"type": "boolean"}}')
+    states = [walk(odd, spec, text) for text in ("[", "[true", "[true, ", "")]
+    worker = MaskWorker(odd.mask_words)
+    assert worker.submit(states).result() == [state.mask() for state in states]
+    assert len({state.mask() for state in states}) > 1  # the states differ, so their masks do

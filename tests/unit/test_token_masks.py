@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 import torch
 
 from loopserve.depth import policy
@@ -16,6 +17,7 @@ from loopserve.engine.scheduler_output import PrefillChunk, SchedulerOutput, Slo
 from loopserve.runner.token_masks import SlotMasks
 from loopserve.sample.sampler import apply_token_mask, mask_tensors, mask_words
 from loopserve.sampling_params import SamplingInfo, SamplingParams
+from loopserve.structured.grammar import GrammarState
 from loopserve.structured_outputs import StructuredOutputsParams
 from loopserve.tokenizer import Tokenizer
 from tests.unit.test_rules import rows
@@ -122,3 +124,36 @@ def test_attach_hands_out_first_start_and_learned_bitmasks() -> None:
     constraints.drop("a")
     constraints.drop("b")
     assert len(constraints) == 0
+
+
+def test_prepared_bitmasks_are_the_ones_attach_would_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`prepare` computes the learned requests' masks on the worker; `attach` hands them out
+    without computing them again, and recomputes a mask whose request moved on since."""
+    tokenizer = Tokenizer.from_directory(ASSET)
+    assert tokenizer is not None
+    spec = StructuredOutputsParams(
+        json='{"type": "object", "properties": {"k": {"type": "integer"}}}'
+    )
+    tokens = tokenizer.encode('{"k": 12', add_special_tokens=False)
+    engines = [Constraints(tokenizer, tokenizer.vocab_size, [0]) for _ in range(2)]
+    for constraints in engines:
+        for request_id in "ab":
+            constraints.add(request_id, constraints.check(spec))
+            assert constraints.accept(request_id, tokens[:2]) is None
+    sync, prepared = engines
+    prepared.prepare()
+    assert prepared.accept("b", tokens[2:3]) is None  # "b" moves on: its prepared mask is stale
+    assert sync.accept("b", tokens[2:3]) is None
+    computed: list[int] = []
+    original = GrammarState.mask
+    monkeypatch.setattr(
+        GrammarState, "mask", lambda self: computed.append(self.num_accepted) or original(self)
+    )
+    outputs = [SchedulerOutput(step=1, decode_slots={0: "a", 1: "b"}) for _ in engines]
+    prepared.attach(outputs[1])
+    assert computed == [3]  # only "b", whose prepared mask was for index 2
+    sync.attach(outputs[0])
+    assert outputs[0].token_masks == outputs[1].token_masks
+    assert [(m.slot, m.index) for m in outputs[1].token_masks] == [(0, 2), (1, 3)]
