@@ -81,11 +81,12 @@ def with_tokenizer(model: Path, tokenizer: Path, into: Path) -> Path:
 
 
 class GrammarClock:
-    """Host seconds spent in the engine's constraint work (wraps its methods)."""
+    """Host seconds the engine's thread spends in constraint work (wraps its methods; `attach`
+    includes waiting for the masks `prepare` started on the worker thread)."""
 
     def __init__(self, constraints: Any) -> None:
         self.seconds = 0.0
-        for name in ("check", "accept", "attach"):
+        for name in ("check", "accept", "prepare", "attach"):
             setattr(constraints, name, self._timed(getattr(constraints, name)))
 
     def _timed(self, method: Any) -> Any:
