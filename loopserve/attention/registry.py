@@ -25,12 +25,11 @@ ATTENTION_BACKENDS: dict[str, str] = {
 # says otherwise, the Triton kernels come first (the FlashInfer backends then only stand in for
 # them, say where triton is missing, ahead of the eager torch reference).
 AUTO_ORDER: tuple[str, ...] = ("triton", "flashinfer_fa2", "flashinfer_xqa", "torch")
-# Per compute-capability major, where measured. SM90: one H200, Ouro-1.4B decode (16 heads of 128,
-# MHA, page 16, bf16), CUDA-graph replay, per layer at 1 / 8 / 32 / 128 rows of 640 tokens
-# (scripts/gpu_flashinfer.sh's table, 2026-12-01, fourth session): Triton 7.9 / 20.4 / 47.3 /
-# 166.0 us, FA2 (unsplit, CUDA cores) 13.3 / 17.5 / 46.0 / 164.1 us, XQA (unsplit) 19.3 / 27.1 /
-# 68.1 / 197.1 us; end to end (512/128, A B B A) FA2 over Triton 0.95-0.97x at C=1, 0.92-1.03x at
-# C=8, 0.94-1.09x at C=32, 1.02-1.05x at C=128: Triton first (and it needs no JIT, serves fp32).
+# Per compute-capability major, where measured. SM90: one H200, Ouro-1.4B, end to end
+# (`scripts/gpu_backends_e2e.sh`, 512/128, A B B A, 2026-12-03): FA2 over Triton 0.82-0.84x at
+# C=1, 0.75-0.91x at C=32, 0.97-1.03x (noise) at C=128 (Triton's prompt passes replay as CUDA
+# graphs, FlashInfer's run eagerly); per layer the kernels are within a few percent from 8 rows up
+# and Triton leads at one row (docs/kernels.md). Triton first; it also needs no JIT, serves fp32.
 AUTO_ORDER_BY_ARCH: dict[int, tuple[str, ...]] = {
     9: ("triton", "flashinfer_fa2", "flashinfer_xqa", "torch"),
 }
