@@ -4,8 +4,10 @@ Owns: grouping a timeline's steps several ways — by work (decode, decode + pro
 by swap (out, in), by read-back (asynchronous or forced by the scheduler), by decode path (CUDA
 graph or eager) and by row bucket — each grouping a partition of the steps, with count, total,
 mean and p90 time and the mean host / launch / wait split per group; step-time percentiles; and
-the run cut in tenths, to show when a regime starts. `python -m loopserve.bench.timeline_summary
-PATH` summarises a timeline file again. Must not: import torch (it reads plain records).
+the run cut in tenths, to show when a regime starts; and, for specs that differ only in their
+exits, where the gain of early exit goes (`bench/depth_gain.py`).
+`python -m loopserve.bench.timeline_summary PATH` summarises a timeline file again. Must not:
+import torch (it reads plain records).
 
 Steps run under the profiler window are left out (the profiler slows them).
 """
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from loopserve.bench.depth_gain import depth_gain_section
 
 StepRecord = dict[str, Any]
 
@@ -105,7 +109,9 @@ def summarize(records: Sequence[StepRecord]) -> str:
     specs: dict[str, list[StepRecord]] = {}
     for record in records:
         specs.setdefault(record["spec"], []).append(record)
-    return "\n\n".join(_spec_section(spec, steps) for spec, steps in specs.items()) + "\n"
+    sections = [_spec_section(spec, steps) for spec, steps in specs.items()]
+    gains = depth_gain_section(records)
+    return "\n\n".join([*sections, gains] if gains else sections) + "\n"
 
 
 def _spec_section(spec: str, records: list[StepRecord]) -> str:

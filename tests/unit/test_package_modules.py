@@ -30,7 +30,8 @@ MODULES: dict[str, set[str]] = {
     },
     # the user-facing `loopserve bench offline | serve | compare` and what they need
     "bench": {
-        "__init__", "calibration", "checkpoint_cache", "closed_loop", "compare", "engine_pool",
+        "__init__", "calibration", "checkpoint_cache", "closed_loop", "compare", "depth_gain",
+        "engine_pool",
         "figures", "floor", "offline", "plot", "presets", "prompts", "provenance", "records",
         "serve_client", "serve_figures", "step_timeline", "summary", "sweep", "sweep_spec",
         "timed_runner", "timeline_summary", "trial",
