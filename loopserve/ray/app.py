@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -158,7 +159,8 @@ def serve_replicas(
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": server_config.host, "port": server_config.port})
+        port = server_config.port or free_port(server_config.host)
+        serve.start(http_options={"host": server_config.host, "port": port})
         app = build_app(
             engine_config,
             server_config,
@@ -167,7 +169,7 @@ def serve_replicas(
             routing=routing,
         )
         serve.run(app, name=APP_NAME, route_prefix="/")
-        address = f"http://{server_config.host}:{server_config.port}"
+        address = f"http://{server_config.host}:{port}"
         # the same line as one engine's server prints, so scripts find the address either way
         print(
             f"loopserve serve: listening on {address} ({num_replicas} engine replica(s))",
@@ -182,3 +184,13 @@ def serve_replicas(
             serve.shutdown()
         else:
             serve.delete(APP_NAME)  # a joined cluster's other applications keep running
+
+
+def free_port(host: str) -> int:
+    """A port nobody listens on at `host`, for `--port 0` (Serve's proxy binds the port itself,
+    so it is found by binding and closing a socket: another process could take it in between)."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+    return port
