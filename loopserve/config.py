@@ -28,8 +28,13 @@ class LoadFormat(str, enum.Enum):
 
 
 class KVAllocation(str, enum.Enum):
-    INCREMENTAL = "incremental"  # pages as tokens arrive; preemption (swap to host) when short
+    INCREMENTAL = "incremental"  # pages as tokens arrive; preemption when short
     RESERVE = "reserve"  # every page a request can need, reserved at admission; never preempted
+
+
+class PreemptionMode(str, enum.Enum):
+    SWAP = "swap"  # a victim's K/V are copied to host memory and back, bit for bit
+    RECOMPUTE = "recompute"  # its pages are dropped; admitted again, it recomputes them
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: Any = None) -> Any:
@@ -97,8 +102,16 @@ class SchedulerConfig:
     kv_allocation: KVAllocation = setting(
         KVAllocation.INCREMENTAL,
         "incremental: requests take KV pages as their tokens arrive, and when pages run out the "
-        "latest, lowest-priority request is swapped to host memory; reserve: admission reserves "
-        "every page a request can need (prompt + max_tokens), so nothing is ever preempted",
+        "latest, lowest-priority request is preempted (preemption_mode); reserve: admission "
+        "reserves every page a request can need (prompt + max_tokens), so nothing is ever "
+        "preempted",
+    )
+    preemption_mode: PreemptionMode = setting(
+        PreemptionMode.SWAP,
+        "incremental: what happens to a preempted request's K/V. swap: copied to host memory "
+        "and back; recompute: dropped, and when it is admitted again its prompt and generated "
+        "tokens run again, each generated token to its own exit depth (vLLM's default; needs "
+        "kv_layout full)",
     )
     kv_watermark: float = setting(
         0.01, "incremental: fraction of KV pages admission keeps free for running requests to grow"
@@ -119,6 +132,12 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise _invalid(name, "must be at least 1", getattr(self, name))
+        if self.preemption_mode is PreemptionMode.RECOMPUTE and self.kv_layout is not KVLayout.FULL:
+            raise ValueError(
+                f"{option_name('preemption_mode')} recompute needs {option_name('kv_layout')} "
+                "full: the shared layout keeps each generated token at its exit version in one "
+                "plane, which a prompt-style replay cannot rebuild; use preemption_mode swap"
+            )
         if not 0.0 <= self.kv_watermark < 1.0:
             raise _invalid("kv_watermark", "must be in [0, 1)", self.kv_watermark)
         if self.priority_bypass_limit < 0:

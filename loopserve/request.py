@@ -3,7 +3,8 @@
 Owns: `Request` and its derived positions. Must not: import torch.
 
 Lifecycle: WAITING -> RUNNING (admitted: a slot and KV pages) -> FINISHED, with RUNNING -> WAITING
-when it is preempted (its K/V go to host memory and come back when it is admitted again). While
+when it is preempted (its K/V go to host memory and come back when it is admitted again, or are
+dropped and recomputed: `num_replay_tokens`). While
 RUNNING a request first prefills its prompt in chunks (`num_computed_tokens` chases
 `num_prompt_tokens`), then decodes: its newest output token is *in flight* in the decode step,
 which runs it loop by loop until it exits and the coda samples the next token (the host does not
@@ -37,8 +38,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Prompt tokens whose K/V exist at every loop.
+    # Prefill positions whose K/V exist (the prompt's at every loop).
     num_computed_tokens: int = 0
+    # After a recompute preemption: generated tokens (all but the in-flight one) whose K/V are
+    # computed again after the prompt's, each to its own exit depth, before decoding resumes.
+    num_replay_tokens: int = 0
     slot: int | None = None
     # Scheduling bookkeeping: the order of arrival, how often later requests went first, the
     # prompt's chained block hashes (prefix caching), and while preempted, the pages per plane
@@ -66,7 +70,32 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Positions computed before decoding: the prompt, plus any replayed tokens."""
+        return self.num_prompt_tokens + self.num_replay_tokens
+
+    def prefill_token_ids(self, start: int, end: int) -> list[int]:
+        """The input tokens of prefill positions [start, end): prompt, then replayed outputs."""
+        prompt = self.num_prompt_tokens
+        tokens = self.prompt_token_ids[start:end]
+        if end > prompt:
+            tokens += self.output_token_ids[max(start, prompt) - prompt : end - prompt]
+        return tokens
+
+    def replay_loops(self, start: int, end: int) -> tuple[int, ...] | None:
+        """Loops of each prefill position in [start, end) when some is a replayed token (the
+        loops its successor exited after), None when all are prompt positions (every loop)."""
+        prompt = self.num_prompt_tokens
+        if end <= prompt:
+            return None
+        full = self.params.max_loops
+        return tuple(
+            full if position < prompt else self.exit_depths[position - prompt + 1]
+            for position in range(start, end)
+        )
 
     @property
     def finished(self) -> bool:

@@ -3,7 +3,8 @@
 # benchmark writes itself (bf16; cached in ~/.cache/loopserve/ouro-1.4b-random):
 #   1. 512/128 requests sharing a 384-token prefix at C=128, prefix caching on and off (one run);
 #   2. 1024/512 at rising C with KV pages reserved up front vs taken as tokens arrive (with
-#      preemption), on a KV cache shrunk by --gpu-memory-utilization so the limit shows at small C.
+#      preemption, swapping or recomputing the victims' K/V), on a KV cache shrunk by
+#      --gpu-memory-utilization so the limit shows at small C.
 # Run from the repository root:  OUT=/path/to/out bash scripts/gpu_capacity.sh
 # PARTS selects (default "prefix capacity"). TIMELINE=1 gives every run a per-step timeline
 # (`--step-timeline`: $OUT/NAME-steps.jsonl and its summary; docs/serving-capacity.md), and
@@ -18,7 +19,8 @@ PREFIX_ARGS="${PREFIX_ARGS:---workload 512/128 --shared-prefix 384 --concurrency
 --prefix-caching on,off --exits fixed --scheduling refill --graphs on --trials 1 \
 --warmup-output-len 8}"
 CAPACITY_ARGS="${CAPACITY_ARGS:---workload 1024/512 --concurrency 24,40 \
---kv-allocation reserve,incremental --exits fixed --scheduling refill --graphs on --trials 1 \
+--kv-allocation reserve,incremental --preemption-mode swap,recompute --exits fixed \
+--scheduling refill --graphs on --trials 1 \
 --warmup-output-len 8 --gpu-memory-utilization 0.26 --max-model-len 2048}"
 PARTS="${PARTS:-prefix capacity}"
 TIMELINE="${TIMELINE:-0}"

@@ -83,6 +83,7 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         cuda_graphs=key.graphs,
         prefix_caching=key.prefix_caching,
         kv_allocation=key.kv_allocation,
+        preemption_mode=key.preemption_mode,
         batch_invariant=settings.batch_invariant,
     )
 
@@ -166,7 +167,8 @@ def _describe(key: EngineKey) -> str:
     graphs = "graphs" if key.graphs else "eager"
     return (
         f"({graphs}, kv_layout={key.kv_layout}, scheduling={key.scheduling}, prefix_caching="
-        f"{'on' if key.prefix_caching else 'off'}, kv_allocation={key.kv_allocation})"
+        f"{'on' if key.prefix_caching else 'off'}, kv_allocation={key.kv_allocation}, "
+        f"preemption_mode={key.preemption_mode})"
     )
 
 

@@ -28,6 +28,7 @@ from loopserve.bench.sweep_spec import (
     KV_ALLOCATIONS,
     KV_LAYOUTS,
     ON_OFF,
+    PREEMPTION_MODES,
     SCHEDULINGS,
     RunSpec,
     SpecResult,
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 SWEEP_FLAGS = (
     "workload", "concurrency", "exits", "scheduling", "graphs", "trials", "prefix_caching",
-    "kv_allocation", "shared_prefix",
+    "kv_allocation", "preemption_mode", "shared_prefix",
 )  # fmt: skip
 
 
@@ -113,6 +114,7 @@ def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--kv-allocation", help="comma list of incremental, reserve (default incremental)"
     )
+    group.add_argument("--preemption-mode", help="comma list of swap, recompute (default swap)")
     group.add_argument(
         "--shared-prefix",
         type=int,
@@ -186,7 +188,7 @@ def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | N
         )
         return preset.specs, budget
     variants = [
-        Variant(exits, scheduling, graphs == "on", layout, caching == "on", allocation)
+        Variant(exits, scheduling, graphs == "on", layout, caching == "on", allocation, mode)
         for exits in parse_list(args.exits or ",".join(EXITS), EXITS, "--exits")
         for scheduling in parse_list(
             args.scheduling or ",".join(SCHEDULINGS), SCHEDULINGS, "--scheduling"
@@ -197,6 +199,10 @@ def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | N
         for allocation in parse_list(
             args.kv_allocation or "incremental", KV_ALLOCATIONS, "--kv-allocation"
         )
+        for mode in parse_list(
+            args.preemption_mode or "swap", PREEMPTION_MODES, "--preemption-mode"
+        )
+        if allocation == "incremental" or mode == "swap"  # reserved pages are never preempted
     ]
     shared = args.shared_prefix or 0
     workloads = [

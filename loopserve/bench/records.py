@@ -39,6 +39,7 @@ def spec_config(spec: RunSpec, *, temperature: float, seed: int) -> Record:
         "kv_layout": variant.kv_layout,
         "prefix_caching": variant.prefix_caching,
         "kv_allocation": variant.kv_allocation,
+        "preemption_mode": variant.preemption_mode,
         "shared_prefix": point.workload.shared_prefix,
         "trials": spec.trials,
         "warmup_output_len": spec.warmup_output_len,

@@ -34,6 +34,7 @@ PAIRINGS = (
     Pairing("graphs", True, False, "graphs / eager"),
     Pairing("prefix_caching", True, False, "prefix cache on / off"),
     Pairing("kv_allocation", "incremental", "reserve", "incremental pages / reserved"),
+    Pairing("preemption_mode", "recompute", "swap", "recompute / swap preemption"),
 )
 
 
@@ -98,6 +99,8 @@ def _kv(variant: Variant) -> str:
         parts.append("no prefix cache")
     if variant.kv_allocation != "incremental":
         parts.append(variant.kv_allocation)
+    if variant.preemption_mode != "swap":
+        parts.append(f"{variant.preemption_mode} preemption")
     return ", ".join(parts)
 
 

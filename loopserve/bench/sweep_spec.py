@@ -25,6 +25,7 @@ GRAPHS = ("on", "off")
 KV_LAYOUTS = ("full", "shared")
 ON_OFF = ("on", "off")
 KV_ALLOCATIONS = ("incremental", "reserve")
+PREEMPTION_MODES = ("swap", "recompute")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -62,6 +63,7 @@ class EngineKey:
     scheduling: str
     prefix_caching: bool = True
     kv_allocation: str = "incremental"
+    preemption_mode: str = "swap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +74,17 @@ class Variant:
     kv_layout: str  # "full" or "shared"
     prefix_caching: bool = True
     kv_allocation: str = "incremental"  # or "reserve"
+    preemption_mode: str = "swap"  # or "recompute" (incremental allocation preempts)
 
     @property
     def engine_key(self) -> EngineKey:
         return EngineKey(
-            self.graphs, self.kv_layout, self.scheduling, self.prefix_caching, self.kv_allocation
+            self.graphs,
+            self.kv_layout,
+            self.scheduling,
+            self.prefix_caching,
+            self.kv_allocation,
+            self.preemption_mode,
         )
 
     def label(self, with_layout: bool = False) -> str:
@@ -87,6 +95,8 @@ class Variant:
             parts.append("no-prefix-cache")
         if self.kv_allocation != "incremental":
             parts.append(self.kv_allocation)
+        if self.preemption_mode != "swap":
+            parts.append(self.preemption_mode)
         return "/".join(parts)
 
 

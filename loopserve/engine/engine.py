@@ -350,6 +350,7 @@ class Engine:
             generated_tokens=scheduler.generated_tokens,
             kv_pages_cached=self.kv.num_cached_pages,
             num_preemptions=scheduler.preemptions,
+            recomputed_tokens=scheduler.recomputed_tokens,
             prefix_cache_hit_rate=scheduler.prefix_hit_rate,
             prefix_hit_tokens=scheduler.prefix_hit_tokens,
             prefix_query_tokens=scheduler.prefix_query_tokens,

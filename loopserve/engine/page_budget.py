@@ -67,7 +67,7 @@ class PageBudget:
                 cost = self.reservation(request, len(hit)) + idle_hits
             else:
                 start = len(hit) * self.config.block_size
-                end = min(request.num_prompt_tokens, start + self.config.prefill_chunk_size)
+                end = min(request.num_prefill_tokens, start + self.config.prefill_chunk_size)
                 cost = planes * (pages_for(end, self.config.block_size) - len(hit)) + idle_hits
         margin = 0 if self.reserve or not others_running else self.watermark
         return cost if cost + margin <= self.kv.num_available_pages else None

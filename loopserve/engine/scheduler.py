@@ -15,8 +15,11 @@ ahead of what the host has read back). Admission keeps `kv_watermark` of the cac
 requests can grow. When a request cannot grow, the latest, lowest-priority running request is
 preempted: its K/V are copied to host memory (bit for bit), its pages and slot freed, and it waits
 at its old place in line; admitted again, it gets new pages, its K/V come back, and its in-flight
-token restarts at loop 1 (which recomputes it exactly). With `kv_allocation="reserve"` admission
-reserves every page a request can need and nothing is ever preempted.
+token restarts at loop 1 (which recomputes it exactly). With `preemption_mode="recompute"` its
+K/V are dropped instead, and admitted again it prefills its prompt and generated tokens (each to
+its recorded exit depth, `Request.replay_loops`) before its in-flight token restarts. With
+`kv_allocation="reserve"` admission reserves every page a request can need and nothing is ever
+preempted.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from loopserve.config import SchedulerConfig
+from loopserve.config import PreemptionMode, SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.engine.page_budget import PageBudget
 from loopserve.engine.prefix_cache import block_hashes
@@ -219,8 +222,10 @@ class Scheduler:
         self, request: Request, budget: int, output: SchedulerOutput, may_preempt: bool = True
     ) -> int:
         start = request.num_computed_tokens
-        size = min(request.num_prompt_tokens - start, self.config.prefill_chunk_size, budget)
+        size = min(request.num_prefill_tokens - start, self.config.prefill_chunk_size, budget)
         end = start + size
+        last = end == request.num_prefill_tokens
+        replaying = request.num_output_tokens > 0  # recomputing K/V: nothing to sample
         targets = {plane: end for plane in range(request.params.max_loops)}
         if not self._ensure_pages(request, targets, output, may_preempt):
             return 0  # it waits for pages (nothing ranked below it holds any)
@@ -231,13 +236,17 @@ class Scheduler:
                 request_id=request.request_id,
                 slot=request.slot,
                 start=start,
-                token_ids=request.prompt_token_ids[start:end],
+                token_ids=request.prefill_token_ids(start, end),
                 num_loops=request.params.max_loops,
-                completes_prompt=end == request.num_prompt_tokens,
+                completes_prompt=last and not replaying,
                 sampling=SamplingInfo(request.params.params, request.params.seed, 0),
+                token_loops=request.replay_loops(start, end),
+                completes_replay=last and replaying,
             )
         )
         self.stats.prefill_tokens += size
+        if replaying:
+            self.stats.recomputed_tokens += size
         return size
 
     # ----- admission, preemption, resumption -----------------------------------------------
@@ -273,17 +282,23 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
-        """Move a running request's K/V to host memory and put it back in line."""
-        tables = self.kv.tables(victim.request_id)
-        self._swap_out.append(PageMove(victim.request_id, [p for table in tables for p in table]))
-        victim.swapped_pages = [len(table) for table in tables]
+        """Move a running request's K/V to host memory (or drop them, to be recomputed) and put
+        it back in line."""
+        if self.config.preemption_mode is PreemptionMode.SWAP:
+            tables = self.kv.tables(victim.request_id)
+            pages = [page for table in tables for page in table]
+            self._swap_out.append(PageMove(victim.request_id, pages))
+            victim.swapped_pages = [len(table) for table in tables]
+            self.stats.swapped_out_pages += len(pages)
+        else:  # its prompt and all but its in-flight token are prefilled again when admitted
+            victim.num_computed_tokens = 0
+            victim.num_replay_tokens = max(victim.num_output_tokens - 1, 0)
         slot = victim.slot
         output.page_updates = [update for update in output.page_updates if update.slot != slot]
         self._leave_slot(victim, output.cleared_slots)
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.stats.preemptions += 1
-        self.stats.swapped_out_pages += sum(victim.swapped_pages)
         self.waiting.append(victim)
 
     def _resume(self, request: Request, output: SchedulerOutput) -> None:
@@ -313,6 +328,10 @@ class Scheduler:
             if request is None:
                 continue  # aborted while its chunk ran
             self._chunk_done(request, len(chunk.token_ids))
+            if chunk.completes_replay:  # K/V recomputed: its in-flight token restarts at loop 1
+                request.num_replay_tokens = 0
+                request.num_computed_tokens = request.num_prompt_tokens
+                self._start_slot(request)
             if not chunk.completes_prompt:
                 continue
             assert token is not None

@@ -33,6 +33,11 @@ class PrefillChunk:
     sampling: SamplingInfo
     # A constrained request's first token: its bitmask (`TokenMask.words`), None when free.
     token_mask: bytes | None = None
+    # A replay after a recompute preemption (`Request.replay_loops`): each position's loops,
+    # None when every position runs `num_loops`; the chunk that completes a replay samples
+    # nothing and hands the request's in-flight token back to the decode step.
+    token_loops: tuple[int, ...] | None = None
+    completes_replay: bool = False
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     preemptions: int = 0
     swapped_out_pages: int = 0
+    recomputed_tokens: int = 0  # prefill positions run again after recompute preemptions
     # Prompt tokens looked up in the prefix cache, and those found there.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -56,6 +57,7 @@ class EngineStats:
     prefill_tokens: int
     generated_tokens: int
     num_preemptions: int
+    recomputed_tokens: int  # prefill positions run again after recompute preemptions
     prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / prompt tokens
     prefix_hit_tokens: int
     prefix_query_tokens: int

@@ -31,6 +31,9 @@ class PromptPass:
     sequence_of_token: torch.Tensor  # [T] int64: which sequence each query token belongs to
     query_start: list[int]  # [S + 1] cumulative query lengths
     seq_lens: list[int]  # [S] context length after this pass's writes
+    # [N] int64 indices into the pass's tokens whose K/V this loop must not write: replayed
+    # tokens past their exit loop, whose plane already holds their exit version (copy-on-exit).
+    kept: torch.Tensor | None = None
 
     @property
     def query_lens(self) -> list[int]:
@@ -130,7 +133,7 @@ class BlockTables:
             query_start=to_device(prompt.query_start, torch.int32, self.device),
             seq_lens=to_device(prompt.seq_lens, torch.int32, self.device),
             page_table=page_table,
-            slot_mapping=self.flat_slots(page_table, prompt.sequence_of_token, prompt.positions),
+            slot_mapping=self._pass_slots(page_table, prompt),
             max_query_len=prompt.max_query_len,
             max_seq_len=max_seq_len,
             query_start_host=prompt.query_start,
@@ -179,8 +182,7 @@ class BlockTables:
         static.seq_lens.copy_(lengths[sequences + padding + 1 :])
         page_table = static.page_table[:sequences]
         page_table.copy_(self.tables[prompt.slots, prompt.plane])
-        slot_mapping = self.flat_slots(page_table, prompt.sequence_of_token, prompt.positions)
-        static.slot_mapping[:tokens].copy_(slot_mapping)
+        static.slot_mapping[:tokens].copy_(self._pass_slots(page_table, prompt))
         static.slot_mapping[tokens:].fill_(NULL_PAGE * self.block_size)
         return AttentionMetadata(
             query_start=static.query_start,
@@ -192,6 +194,20 @@ class BlockTables:
             query_start_host=prompt.query_start,
             seq_lens_host=prompt.seq_lens,
             padded=True,
+        )
+
+    def _pass_slots(self, page_table: torch.Tensor, prompt: PromptPass) -> torch.Tensor:
+        """The pass's slot mapping: each token's slot in the pass's plane, the null page for the
+        tokens it keeps."""
+        slots = self.flat_slots(page_table, prompt.sequence_of_token, prompt.positions)
+        if prompt.kept is not None:
+            slots[prompt.kept] = NULL_PAGE * self.block_size
+        return slots
+
+    def position_slots(self, slot: int, plane: int, positions: torch.Tensor) -> torch.Tensor:
+        """Flat KV slots of one request's `positions` [N] in one plane."""
+        return self.flat_slots(
+            self.tables[slot, plane][None], torch.zeros_like(positions), positions
         )
 
     def flat_slots(

@@ -69,11 +69,12 @@ class PromptRunner:
             if len(active) == len(chunks):
                 prompt = self._pass(chunks, active, loop, positions)
                 hidden = self._run_loop(hidden, cos, sin, prompt)
-                continue
-            tokens = self._long([t for i in active for t in range(*query_start[i : i + 2])])
-            prompt = self._pass(chunks, active, loop, positions[tokens])
-            hidden = hidden.clone()
-            hidden[tokens] = self._run_loop(hidden[tokens], cos[tokens], sin[tokens], prompt)
+            else:
+                tokens = self._long([t for i in active for t in range(*query_start[i : i + 2])])
+                prompt = self._pass(chunks, active, loop, positions[tokens])
+                hidden = hidden.clone()
+                hidden[tokens] = self._run_loop(hidden[tokens], cos[tokens], sin[tokens], prompt)
+            self._copy_on_exit(chunks, active, loop)
         finishing = [index for index, chunk in enumerate(chunks) if chunk.completes_prompt]
         last = [query_start[index + 1] - 1 for index in finishing]
 
@@ -151,14 +152,37 @@ class PromptRunner:
     ) -> PromptPass:
         """One loop of the chunks in `active`, in the plane that loop uses."""
         lengths = [len(chunks[i].token_ids) for i in active]
+        query_start = [0, *accumulate(lengths)]
+        kept = [
+            offset + index
+            for offset, i in zip(query_start, active, strict=False)  # query_start has one more
+            for index, loops in enumerate(chunks[i].token_loops or ())
+            if loops < loop
+        ]
         return PromptPass(
             slots=self._long([chunks[i].slot for i in active]),
             plane=KVLayout.prompt_plane(loop),
             positions=positions,
             sequence_of_token=self._long([s for s, n in enumerate(lengths) for _ in range(n)]),
-            query_start=[0, *accumulate(lengths)],
+            query_start=query_start,
             seq_lens=[chunks[i].start + len(chunks[i].token_ids) for i in active],
+            kept=self._long(kept) if kept else None,
         )
+
+    def _copy_on_exit(self, chunks: list[PrefillChunk], active: list[int], loop: int) -> None:
+        """The `full` layout's copy-on-exit for replayed tokens whose last loop this was: their
+        K/V of this loop's plane into every deeper plane, as the decode step did when they ran."""
+        for index in active:
+            chunk = chunks[index]
+            offsets = [i for i, loops in enumerate(chunk.token_loops or ()) if loops == loop]
+            if not offsets or loop == chunk.num_loops:
+                continue
+            positions = self._long([chunk.start + offset for offset in offsets])
+            plane = KVLayout.prompt_plane(loop)
+            source = self.block_tables.position_slots(chunk.slot, plane, positions)
+            for deeper in range(plane + 1, chunk.num_loops):
+                target = self.block_tables.position_slots(chunk.slot, deeper, positions)
+                self.kv.copy_slots(source, target)
 
     def _run_loop(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prompt: PromptPass

@@ -19,7 +19,7 @@ import torch
 
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.registry import select_backend
-from loopserve.config import EngineConfig, KVAllocation, LoadFormat
+from loopserve.config import EngineConfig, KVAllocation, LoadFormat, PreemptionMode, option_name
 from loopserve.depth.policy import ExitMode
 from loopserve.depth.trace import resolve_distribution
 from loopserve.engine.runner_api import RunnerInfo
@@ -139,6 +139,11 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         model = load_model(config, model_dir, device)
     model_config = model.config
     scheduler = config.scheduler
+    if scheduler.preemption_mode is PreemptionMode.RECOMPUTE and model.has_stage_layers:
+        raise ValueError(
+            f"{option_name('preemption_mode')} recompute is not served for {model_config.family} "
+            "(its prelude and coda layers' K/V are not replayed); use preemption_mode swap"
+        )
     model.exit_criterion = model_config.resolve_exit_criterion(scheduler.exit_criterion)
     bytes_per_page = KVStorage.bytes_per_page(
         model.num_kv_layers,

@@ -112,3 +112,22 @@ def test_shared_prefixes_with_the_prefix_cache_on_and_off(
         "| 40/4 (32 shared) | 2 | fixed | refill | off | full, no prefix cache, reserve |" in text
     )
     assert "### prefix cache on / off" in text and "### incremental pages / reserved" in text
+
+
+def test_swap_and_recompute_preemption_side_by_side(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    summary, output = tmp_path / "summary.md", tmp_path / "out.jsonl"
+    # 12 usable pages hold two 14-token prompts but only one request at full length (as in
+    # tests/bench/test_step_timeline.py), so requests are preempted as they grow.
+    code = main([
+        "bench", "offline", "--model", str(tiny_checkpoint), "--device", "cpu",
+        "--workload", "14/12", "--concurrency", "3", "--exits", "fixed", "--scheduling", "refill",
+        "--preemption-mode", "swap,recompute", "--trials", "1", "--warmup-output-len", "0",
+        "--num-kv-pages", "13", "--output", str(output), "--summary", str(summary),
+    ])  # fmt: skip
+    assert code == 0
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    by_mode = {r["config"]["preemption_mode"]: r["figures"] for r in records[1:]}
+    assert set(by_mode) == {"swap", "recompute"}
+    assert all(figures["preemptions"] > 0 for figures in by_mode.values())
+    text = summary.read_text()
+    assert "full, recompute preemption |" in text and "### recompute / swap preemption" in text

@@ -252,6 +252,22 @@ def test_preempted_requests_keep_every_token_and_depth(
         assert results[str(index)] == reference(layout, mode, index), f"request {index}"
 
 
+@pytest.mark.parametrize(("checkpoint", "mode"), FAMILY_MODES, indirect=["checkpoint"])
+def test_recomputed_requests_keep_every_token_and_depth(
+    checkpoint: Path, reference, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The same small cache with recompute preemption: a victim's pages are dropped and, admitted
+    again, its prompt and generated tokens are prefilled again, each to its own exit depth."""
+    pages = 8 if engine_loops(checkpoint) == 2 else 20
+    results = run_engine(
+        checkpoint, "full", mode, "refill", 8, 5, num_kv_pages=pages, preemption_mode="recompute"
+    )
+    stats = RUN_STATS[checkpoint, "full", mode, "refill", 8, 5]
+    assert stats.num_preemptions > 0 and stats.recomputed_tokens > 0
+    for index in range(8):
+        assert results[str(index)] == reference("full", mode, index), f"request {index}"
+
+
 # Six prompts sharing 36 tokens (two full pages of 16), then their own.
 SHARED_PREFIX = list(range(50, 86))
 PREFIXED = [SHARED_PREFIX + prompt[: 3 + index] for index, prompt in enumerate(PROMPTS[:6])]

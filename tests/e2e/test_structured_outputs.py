@@ -47,17 +47,24 @@ def builtin(**options: object) -> LLM:
 
 
 @pytest.mark.parametrize(
-    ("kv_layout", "scheduling", "async_scheduling", "num_kv_pages", "block_size"),
+    ("kv_layout", "scheduling", "async_scheduling", "num_kv_pages", "block_size", "preemption"),
     [
-        ("full", "refill", True, 512, 16),
-        ("shared", "refill", True, 512, 16),
-        ("full", "no_refill", True, 512, 16),
-        ("shared", "refill", False, 512, 16),
-        ("full", "refill", True, 60, 4),  # preemption: requests leave their slots and come back
+        ("full", "refill", True, 512, 16, "swap"),
+        ("shared", "refill", True, 512, 16, "swap"),
+        ("full", "no_refill", True, 512, 16, "swap"),
+        ("shared", "refill", False, 512, 16, "swap"),
+        # preemption: requests leave their slots and come back, their K/V swapped or recomputed
+        ("full", "refill", True, 60, 4, "swap"),
+        ("full", "refill", True, 60, 4, "recompute"),
     ],
 )
 def test_constrained_engine_equals_reference(
-    kv_layout: str, scheduling: str, async_scheduling: bool, num_kv_pages: int, block_size: int
+    kv_layout: str,
+    scheduling: str,
+    async_scheduling: bool,
+    num_kv_pages: int,
+    block_size: int,
+    preemption: str,
 ) -> None:
     llm = builtin(
         kv_layout=kv_layout,
@@ -65,6 +72,7 @@ def test_constrained_engine_equals_reference(
         async_scheduling=async_scheduling,
         num_kv_pages=num_kv_pages,
         block_size=block_size,
+        preemption_mode=preemption,
     )
     requests = [params(index, spec) for index, (_, spec) in enumerate(CASES)]
     outputs = llm.generate([prompt for prompt, _ in CASES], requests)
@@ -86,6 +94,7 @@ def test_constrained_engine_equals_reference(
     assert first_loop_exits >= 5, "the gate should exit constrained tokens after one loop"
     if num_kv_pages == 60:
         assert llm.engine.stats().num_preemptions > 0
+        assert (llm.engine.stats().recomputed_tokens > 0) == (preemption == "recompute")
     assert llm.engine.stats().kv_pages_used == 0
 
 

@@ -96,7 +96,8 @@ class FakeEngine:
             num_running=len(self.running), num_waiting=0, kv_pages_total=10, kv_pages_used=0,
             kv_pages_free=10, kv_pages_cached=0, steps=0, decode_steps=0,
             mean_rows_per_decode_step=0.0, row_loops_by_loop={}, rows_per_step={},
-            prefill_tokens=0, generated_tokens=0, num_preemptions=3, prefix_cache_hit_rate=0.25,
+            prefill_tokens=0, generated_tokens=0, num_preemptions=3, recomputed_tokens=5,
+            prefix_cache_hit_rate=0.25,
             prefix_hit_tokens=16, prefix_query_tokens=64,
         )  # fmt: skip
 
@@ -225,6 +226,7 @@ def test_histogram_and_metrics_render_prometheus_text() -> None:
     assert "loopserve:time_to_first_token_seconds_count 1" in rendered
     assert "loopserve:time_per_output_token_seconds_sum 0.25" in rendered
     assert "loopserve:num_preemptions_total 3" in rendered
+    assert "loopserve:recomputed_tokens_total 5" in rendered
     assert "loopserve:prefix_cache_hit_rate 0.25" in rendered
     assert "loopserve:prefix_cache_hits_total 16" in rendered
 

@@ -100,9 +100,10 @@ PREFIXES = [[], list(range(100, 116)), list(range(100, 132)), list(range(200, 24
 
 # 40 examples, not 60 (the time is linear in the engine steps they run: 67 s -> 42 s). The seed
 # is pinned so that editing this function does not reshuffle them (derandomize seeds on the
-# source text, and step counts per example vary 2x between seeds); these 40 run 13,900 engine
-# steps and 380 preemptions and hit the prefix cache: test_the_fuzz_ran_long_and_preempted_and_hit
-# keeps its floors (10,000 steps, a preemption, a hit) unchanged.
+# source text, and step counts per example vary 2x between seeds); these 40 run 10,800 engine
+# steps and 182 preemptions (7 examples recompute, 1,862 positions) and hit the prefix cache:
+# test_the_fuzz_ran_long_and_preempted_and_hit keeps its floors (10,000 steps, a preemption, a
+# hit, a recompute).
 @hypothesis.seed(0)  # not the `seed` argument below
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
@@ -113,6 +114,7 @@ PREFIXES = [[], list(range(100, 116)), list(range(100, 132)), list(range(200, 24
     allocation=st.sampled_from(["incremental", "incremental", "reserve"]),
     asynchronous=st.booleans(),
     seed=st.integers(0, 2**16),
+    recompute=st.booleans(),  # recompute preemption where the layout allows it (full)
 )
 def test_fuzz_pages_balance_and_every_request_ends(
     actions: list[tuple[str, int, int, int, int]],
@@ -122,6 +124,7 @@ def test_fuzz_pages_balance_and_every_request_ends(
     allocation: str,
     asynchronous: bool,
     seed: int,
+    recompute: bool,
 ) -> None:
     """Random arrivals, prompt prefixes, lengths, priorities and aborts on a pool small enough
     to preempt: after every step the page books balance (no leak, no double free, reference counts
@@ -135,6 +138,7 @@ def test_fuzz_pages_balance_and_every_request_ends(
         exit_mode=mode,
         scheduling=scheduling,
         kv_allocation=allocation,
+        preemption_mode="recompute" if recompute and layout == "full" else "swap",
         async_scheduling=asynchronous,
         max_num_seqs=6,
         prefill_chunk_size=16,
@@ -168,9 +172,11 @@ def test_fuzz_pages_balance_and_every_request_ends(
     stats = engine.stats()
     assert stats.kv_pages_used == 0
     FUZZ.append((stats.steps, stats.num_preemptions, stats.prefix_cache_hit_rate))
+    RECOMPUTED.append(stats.recomputed_tokens)
 
 
 FUZZ: list[tuple[int, int, float]] = []  # (steps, preemptions, prefix hit rate) per example
+RECOMPUTED: list[int] = []  # positions prefilled again after recompute preemptions, per example
 
 
 def _step(engine: Engine) -> set[str]:
@@ -186,3 +192,4 @@ def test_the_fuzz_ran_long_and_preempted_and_hit() -> None:
     steps, preemptions, hit_rates = zip(*FUZZ, strict=True)
     assert sum(steps) >= 10_000, sum(steps)
     assert sum(preemptions) > 0 and max(hit_rates) > 0
+    assert sum(RECOMPUTED) > 0  # some examples preempted by recompute
