@@ -56,9 +56,10 @@ def run(num_kv_pages: int, **options: object) -> tuple[dict[str, Result], Engine
     return results, stats
 
 
-def test_recomputed_requests_equal_an_unpressured_run() -> None:
-    expected, _ = run(256)
-    got, stats = run(24, preemption_mode="recompute")
+@pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
+def test_recomputed_requests_equal_an_unpressured_run(scheduling: str) -> None:
+    expected, _ = run(256, scheduling=scheduling)
+    got, stats = run(24, scheduling=scheduling, preemption_mode="recompute")
     # Victims had generated tokens to replay, some of which exited before the last loop.
     assert stats.num_preemptions > 0 and stats.recomputed_tokens > sum(map(len, PROMPTS[:2]))
     assert any(depth < 4 for _, depths, _ in expected.values() for depth in depths[1:])
