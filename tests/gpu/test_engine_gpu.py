@@ -157,6 +157,30 @@ def test_fp32_preempted_requests_equal_reference(
         assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
 
 
+def test_fp32_recomputed_requests_equal_reference(checkpoint: Path) -> None:
+    """The same pressure with recompute preemption: victims' pages are dropped and their prompt
+    and generated tokens prefilled again (through the prompt loop's CUDA graphs, whose slot
+    mapping sends exited replayed tokens' writes to the null page)."""
+    engine = Engine(
+        EngineConfig.from_options(
+            model=str(checkpoint), device="cuda", dtype="float32", exit_mode="ouro",
+            attention_backend="triton", max_num_seqs=16, num_kv_pages=200,
+            prefill_chunk_size=64, preemption_mode="recompute",
+        )
+    )  # fmt: skip
+    batch, params = prompts(10, seed=3), mixed_params(10, 0.6)
+    results = run(engine, batch, params)
+    assert engine.stats().num_preemptions > 0 and engine.stats().recomputed_tokens > 0
+    reference = SerialReference(
+        engine.runner.model,  # type: ignore[attr-defined]
+        kv_layout="full",
+        exit_mode="ouro",
+    )
+    for index, (prompt, request_params) in enumerate(zip(batch, params, strict=True)):
+        expected = reference.generate(prompt, engine.resolve(request_params))
+        assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
+
+
 def bf16_engine(checkpoint: Path, **options: object) -> Engine:
     return Engine(
         EngineConfig.from_options(
