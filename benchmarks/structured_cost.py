@@ -148,7 +148,7 @@ def _measure(args: argparse.Namespace, model: Path) -> int:
     runner = TimedRunner(build_runner(config))
     engine = Engine(config, runner)
     clock = GrammarClock(engine.constraints)
-    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    spec = StructuredOutputsParams(json=SCHEMA)
     loops, vocab = engine.model_config.num_loops, engine.model_config.vocab_size
     rows = []
     for concurrency in concurrencies:

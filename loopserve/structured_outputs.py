@@ -35,7 +35,7 @@ class StructuredOutputsParams:
         ValueError: none or several constraints are given, or one is malformed.
     """
 
-    json: str | None = None
+    json: str | dict[str, Any] | None = None  # stored as its compact JSON text
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
@@ -107,7 +107,7 @@ class StructuredOutputsParams:
 
     def schema(self) -> Any:
         """The JSON schema as a Python object (`json` only)."""
-        return None if self.json is None else json.loads(self.json)
+        return None if self.json is None else json.loads(str(self.json))
 
 
 def _parsed_schema(text: str) -> Any:

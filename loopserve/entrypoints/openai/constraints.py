@@ -10,7 +10,6 @@ compiles it when the request is added, and `Generation` names that field when it
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +82,7 @@ def _response_format(response_format: dict[str, Any]) -> StructuredOutputsParams
     strict = spec.get("strict", False) if isinstance(spec, dict) else False
     if not isinstance(strict, bool):
         raise ValueError(f"json_schema.strict must be a bool, got {strict!r}")
-    return StructuredOutputsParams(json=json.dumps(schema))  # enforced, strict or not
+    return StructuredOutputsParams(json=schema)  # enforced, strict or not
 
 
 def _tool_choice(request: ChatCompletionRequest) -> StructuredOutputsParams | None:
