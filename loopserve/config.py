@@ -35,6 +35,7 @@ class KVAllocation(str, enum.Enum):
 class PreemptionMode(str, enum.Enum):
     SWAP = "swap"  # a victim's K/V are copied to host memory and back, bit for bit
     RECOMPUTE = "recompute"  # its pages are dropped; admitted again, it recomputes them
+    AUTO = "auto"  # swap while the victim fits the pinned swap space, else recompute
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: Any = None) -> Any:
@@ -111,7 +112,9 @@ class SchedulerConfig:
         "incremental: what happens to a preempted request's K/V. swap: copied to host memory "
         "and back; recompute: dropped, and when it is admitted again its prompt and generated "
         "tokens run again, each generated token to its own exit depth (vLLM's default; needs "
-        "kv_layout full)",
+        "kv_layout full); auto: swap while the victim fits the pinned swap space "
+        "(--swap-space-gb), recompute one that does not instead of pinning memory for it (swap "
+        "where recompute cannot serve: the shared layout, prelude/coda families, a CPU)",
     )
     kv_watermark: float = setting(
         0.01, "incremental: fraction of KV pages admission keeps free for running requests to grow"

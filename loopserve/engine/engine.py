@@ -85,7 +85,12 @@ class Engine:
             scheduler_config.prefix_caching,
             last_plane_differs=self.model_config.num_stage_layers > 0,
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.kv,
+            pinned_swap_pages=self.info.pinned_swap_pages,
+            replays=self.model_config.num_stage_layers == 0,
+        )
         self.constraints = Constraints(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
         )

@@ -37,6 +37,9 @@ class RunnerInfo:
     attention_backend: str
     cuda_graphs: bool  # the decode step is replayed from CUDA graphs
     kv_bytes_per_page: int
+    # CUDA: pages of K/V the pinned swap space holds (a victim beyond it has host memory pinned
+    # for it on the spot, slowly); None where host memory needs no pinning (a CPU).
+    pinned_swap_pages: int | None = None
 
 
 class PendingStep(Protocol):

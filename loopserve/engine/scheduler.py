@@ -42,12 +42,25 @@ from loopserve.engine.scheduler_output import (
     SlotStart,
 )
 from loopserve.engine.stats import SchedulerStats
+from loopserve.kv.layout import KVLayout
 from loopserve.request import Request, RequestStatus
 from loopserve.sampling_params import SamplingInfo
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    """Args:
+    pinned_swap_pages: pages the runner's pinned swap space holds (None: host memory needs no
+        pinning), for `preemption_mode="auto"`.
+    replays: the model's prefill can replay generated tokens (no prelude or coda layers).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        pinned_swap_pages: int | None = None,
+        replays: bool = True,
+    ) -> None:
         self.config = config
         self.layout = config.kv_layout
         self.kv = kv
@@ -64,6 +77,9 @@ class Scheduler:
         self._pending_clears: list[int] = []
         self._swap_out: list[PageMove] = []
         self._dropped_swaps: list[str] = []
+        self._pinned_swap_pages = pinned_swap_pages
+        self._replays = replays and config.kv_layout is KVLayout.FULL
+        self._swapped_pages = 0  # pages of K/V preempted requests hold in host memory
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -88,6 +104,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = "abort"
                 if request.swapped_pages is not None:
+                    self._swapped_pages -= sum(request.swapped_pages)
                     request.swapped_pages = None
                     self._dropped_swaps.append(request_id)
                 return request
@@ -284,11 +301,12 @@ class Scheduler:
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         """Move a running request's K/V to host memory (or drop them, to be recomputed) and put
         it back in line."""
-        if self.config.preemption_mode is PreemptionMode.SWAP:
-            tables = self.kv.tables(victim.request_id)
-            pages = [page for table in tables for page in table]
+        tables = self.kv.tables(victim.request_id)
+        pages = [page for table in tables for page in table]
+        if not self._recomputes(len(pages)):
             self._swap_out.append(PageMove(victim.request_id, pages))
             victim.swapped_pages = [len(table) for table in tables]
+            self._swapped_pages += len(pages)
             self.stats.swapped_out_pages += len(pages)
         else:  # its prompt and all but its in-flight token are prefilled again when admitted
             victim.num_computed_tokens = 0
@@ -301,6 +319,14 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.append(victim)
 
+    def _recomputes(self, num_pages: int) -> bool:
+        """Whether a victim holding `num_pages` is recomputed rather than swapped."""
+        mode = self.config.preemption_mode
+        if mode is not PreemptionMode.AUTO:
+            return mode is PreemptionMode.RECOMPUTE
+        pinned = self._pinned_swap_pages
+        return self._replays and pinned is not None and self._swapped_pages + num_pages > pinned
+
     def _resume(self, request: Request, output: SchedulerOutput) -> None:
         """Give a preempted request new pages, its K/V back, and (decoding) its slot."""
         assert request.swapped_pages is not None and request.slot is not None
@@ -311,6 +337,7 @@ class Scheduler:
                 output.page_updates.append(PageTableUpdate(request.slot, plane, start, new))
             pages += new
         output.swap_in.append(PageMove(request.request_id, pages))
+        self._swapped_pages -= sum(request.swapped_pages)
         request.swapped_pages = None
         if request.is_decoding:
             for plane in self.layout.prompt_only_planes(request.params.max_loops):

@@ -178,6 +178,8 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
     trace_length = max_model_len if traced else 1
     fused = isinstance(model.ops, TritonOps)  # the step's bookkeeping is fused where layers are
     decode = DecodeStep(model, kv, backend, tables, scheduler, trace_length, fused_kernels=fused)
+    preempts = scheduler.kv_allocation is KVAllocation.INCREMENTAL
+    swap = HostSwap(kv, int(config.swap_space_gb * 2**30) if preempts else 0)
     info = RunnerInfo(
         model_config=model_config,
         model_dir=None if model_dir is None else str(model_dir),
@@ -189,6 +191,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         attention_backend=choice.backend.name,
         cuda_graphs=choice.cuda_graphs,
         kv_bytes_per_page=bytes_per_page,
+        pinned_swap_pages=swap.pool.num_pages if device.type == "cuda" else None,
     )
     logger.info("runner: %s", info)
     graphs = GraphedDecodeStep(decode, scheduler.max_num_seqs) if choice.cuda_graphs else None
@@ -198,8 +201,6 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
             model, kv, backend, tables, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
         )
     prompts = PromptRunner(model, kv, backend, tables, prompt_graphs)
-    preempts = scheduler.kv_allocation is KVAllocation.INCREMENTAL
-    swap = HostSwap(kv, int(config.swap_space_gb * 2**30) if preempts else 0)
     return ModelRunner(model, tables, decode, prompts, swap, info, graphs)
 
 
