@@ -20,6 +20,7 @@ from loopserve.kv.layout import KVLayout
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GENERATION_CONFIGS = ("auto", "none")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class LoadFormat(str, enum.Enum):
@@ -168,6 +169,13 @@ class EngineConfig:
         "auto (the first capable backend; the reasons for skipping the others are logged) or a "
         "registered name (torch, triton); an explicit choice never falls back",
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "how K/V are stored: auto (the model's dtype) or fp8 (float8 e4m3 with scale 1: values "
+        "beyond +-448 saturate; half bf16's bytes, so the same memory holds twice the pages); "
+        "fp8 is served by the torch and triton attention backends",
+        choices=KV_CACHE_DTYPES,
+    )
     num_kv_pages: int | None = setting(
         None, "exact number of KV pages (the null page included); default: sized from memory"
     )
@@ -223,6 +231,10 @@ class EngineConfig:
         _check_finite(self)
         if self.dtype not in DTYPES:
             raise _invalid("dtype", f"must be one of {DTYPES}", self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _invalid(
+                "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}", self.kv_cache_dtype
+            )
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise _invalid("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -21,6 +21,7 @@ import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.depth.trace import D2_6, resolved_trace_depth
+from loopserve.kv.storage import FP8, to_cache_dtype
 from loopserve.models.layers import AttentionFn, LoopContext
 from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.outputs import TokenLogprobs
@@ -57,7 +58,10 @@ class ReferenceOutput:
 class _DenseKV:
     """K/V per plane and layer: keys[plane][layer] is [positions, Nkv, D]."""
 
-    def __init__(self, num_planes: int, num_layers: int) -> None:
+    def __init__(
+        self, num_planes: int, num_layers: int, kv_dtype: torch.dtype | None = None
+    ) -> None:
+        self.kv_dtype = kv_dtype  # stored K/V are rounded as a cache of this dtype rounds them
         self.keys: list[list[torch.Tensor | None]] = [
             [None] * num_layers for _ in range(num_planes)
         ]
@@ -66,6 +70,9 @@ class _DenseKV:
         ]
 
     def append(self, plane: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.kv_dtype is not None:
+            k = to_cache_dtype(k, self.kv_dtype).to(k.dtype)
+            v = to_cache_dtype(v, self.kv_dtype).to(v.dtype)
         old_k, old_v = self.keys[plane][layer], self.values[plane][layer]
         self.keys[plane][layer] = k if old_k is None else torch.cat([old_k, k])
         self.values[plane][layer] = v if old_v is None else torch.cat([old_v, v])
@@ -85,7 +92,9 @@ class SerialReference:
         kv_layout: str = "full",
         exit_mode: str = "ouro",
         trace_distribution: Sequence[float] = D2_6,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        """`kv_cache_dtype` "fp8": K/V are kept as an fp8 cache keeps them (`kv.storage`)."""
         if kv_layout not in ("full", "shared"):
             raise ValueError(f"kv_layout must be 'full' or 'shared', got {kv_layout!r}")
         if exit_mode not in ("ouro", "ouro_delayed", "trace"):
@@ -94,6 +103,7 @@ class SerialReference:
         self.kv_layout = kv_layout
         self.exit_mode = exit_mode
         self.trace_distribution = tuple(trace_distribution)
+        self.kv_dtype = FP8 if kv_cache_dtype == "fp8" else None
         self.device = model.device
 
     @torch.inference_mode()
@@ -108,13 +118,13 @@ class SerialReference:
         `grammar`, a constraint's fresh state, masks every token and ends the request ("stop")
         once complete."""
         layers = self.model.config.num_hidden_layers
-        kv = _DenseKV(params.max_loops, layers)
+        kv = _DenseKV(params.max_loops, layers, self.kv_dtype)
         # Prelude and coda layers (a family that has them): one version of every token.
-        stages = _DenseKV(1, self.model.num_kv_layers)
+        stages = _DenseKV(1, self.model.num_kv_layers, self.kv_dtype)
         out = ReferenceOutput()
         readout = self._prefill(prompt_ids, params.max_loops, kv, stages)
         # `shared`: after prefill only the final version of each token is kept.
-        final = _DenseKV(1, layers)
+        final = _DenseKV(1, layers, self.kv_dtype)
         for layer in range(layers):
             final.append(0, layer, *kv.get(params.max_loops - 1, layer))
         depth = params.max_loops

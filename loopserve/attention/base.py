@@ -33,6 +33,11 @@ class AttentionSpec:
     num_kv_heads: int
     block_size: int
     cuda_graphs: bool
+    kv_dtype: torch.dtype | None = None  # how K/V are stored; None: as `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
 
 class AttentionBackend(ABC):
@@ -48,6 +53,8 @@ class AttentionBackend(ABC):
     supports_packed_prefill: ClassVar[bool] = True
     # Takes padded prompt passes (kv/metadata.py) whose launches a CUDA graph can replay.
     supports_prompt_graphs: ClassVar[bool] = False
+    # KV cache dtypes besides the model's own (None: only the model's).
+    kv_cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
@@ -80,6 +87,9 @@ class AttentionBackend(ABC):
             reasons.append(f"needs compute capability >= {minimum}")
         if spec.cuda_graphs and not cls.supports_cuda_graphs:
             reasons.append("does not support CUDA graphs")
+        extra = cls.kv_cache_dtypes or frozenset()
+        if spec.cache_dtype != spec.dtype and spec.cache_dtype not in extra:
+            reasons.append(f"a {spec.cache_dtype} KV cache is not supported")
         return reasons + cls.environment_reasons(spec)
 
     @classmethod

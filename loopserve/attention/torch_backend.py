@@ -13,15 +13,16 @@ import torch.nn.functional as F
 
 from loopserve.attention.base import AttentionBackend
 from loopserve.kv.metadata import AttentionMetadata
-from loopserve.kv.storage import KVStorage
+from loopserve.kv.storage import FP8, KVStorage, to_cache_dtype
 
 
 def write_kv(
     kv: KVStorage, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Store k/v [T, Nkv, D] into flat slots [T] of one layer."""
-    kv.key_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = k
-    kv.value_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = v
+    """Store k/v [T, Nkv, D] into flat slots [T] of one layer (in the cache's dtype)."""
+    dtype = kv.cache.dtype
+    kv.key_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = to_cache_dtype(k, dtype)
+    kv.value_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = to_cache_dtype(v, dtype)
 
 
 def gather_context(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -37,8 +38,8 @@ def causal_attention(
     """q [Q, Nq, D] are the last Q positions of a context k/v [C, Nkv, D]; returns [Q, Nq, D]."""
     num_queries, context = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
+    k = k.float().repeat_interleave(groups, dim=1)  # (from the cache's dtype: fp8 too)
+    v = v.float().repeat_interleave(groups, dim=1)
     query_positions = torch.arange(context - num_queries, context, device=q.device)
     mask = torch.arange(context, device=q.device)[None, :] <= query_positions[:, None]
     out = F.scaled_dot_product_attention(
@@ -58,6 +59,7 @@ class TorchAttentionBackend(AttentionBackend):
         {torch.float32, torch.bfloat16, torch.float16}
     )
     head_sizes = None
+    kv_cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset({FP8})
     supports_cuda_graphs = False
     supports_packed_prefill = True
 

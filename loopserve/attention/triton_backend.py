@@ -26,7 +26,7 @@ import torch
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
 from loopserve.kernels.availability import interpreter_mode, triton_installed
 from loopserve.kv.metadata import AttentionMetadata
-from loopserve.kv.storage import KVStorage
+from loopserve.kv.storage import FP8, KVStorage
 from loopserve.kv.transfer import to_device
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class TritonAttentionBackend(OutBufferBackend):
     head_sizes: ClassVar[frozenset[int] | None] = frozenset({32, 64, 80, 96, 128, 256})
     block_size_multiple = 1  # pages are looked up per token, any block size works
     min_compute_capability = (8, 0)  # bf16 tensor-core dots
+    kv_cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset({FP8})
     supports_cuda_graphs = True
     supports_packed_prefill = True
     supports_prompt_graphs = True

@@ -40,6 +40,7 @@ class RunnerInfo:
     # CUDA: pages of K/V the pinned swap space holds (a victim beyond it has host memory pinned
     # for it on the spot, slowly); None where host memory needs no pinning (a CPU).
     pinned_swap_pages: int | None = None
+    kv_cache_dtype: str = ""  # how K/V are stored ("" in runners that do not say: as `dtype`)
 
 
 class PendingStep(Protocol):

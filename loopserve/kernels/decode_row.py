@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from loopserve.kernels.fused_ops import rotate_half
+from loopserve.kernels.kv_write import cache_value
 
 
 @triton.jit
@@ -87,10 +88,9 @@ def write_new_kv(
         + kv_head * stride_cache_head
         + dims
     )
-    tl.store(key_cache_ptr + destination, key, mask=mask)
-    tl.store(
-        value_cache_ptr + destination, tl.load(v_new_ptr + source + dims, mask=mask), mask=mask
-    )
+    tl.store(key_cache_ptr + destination, cache_value(key, key_cache_ptr), mask=mask)
+    value = tl.load(v_new_ptr + source + dims, mask=mask)
+    tl.store(value_cache_ptr + destination, cache_value(value, value_cache_ptr), mask=mask)
     tl.debug_barrier()  # the program's own stores are visible to all its threads' loads after
 
 

@@ -203,7 +203,9 @@ def _dot_step(
     running_max, running_sum, acc, q, k, v, valid, scale_log2, INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """One tile of a FlashAttention-2 step for the heads: (max [H], sum [H], acc [H, D])."""
+    """One tile of a FlashAttention-2 step for the heads: (max [H], sum [H], acc [H, D]). K/V
+    are taken to q's dtype first (a no-op unless the cache is fp8)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [H, BLOCK_N]
     if MASKED:
         scores = tl.where(valid[None, :], scores, float("-inf"))  # the first token is valid

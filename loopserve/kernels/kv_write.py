@@ -15,6 +15,29 @@ import triton.language as tl
 
 
 @triton.jit
+def cache_value(x, cache_ptr):
+    """`x` as the cache at `cache_ptr` stores it, bit for bit as `kv.storage.to_cache_dtype`
+    does: a float8 e4m3 cache saturates at +-448 and rounds to nearest, ties to even."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = _e4m3_grid(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _e4m3_grid(x):
+    """fp32 `x` (|x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in fp32
+    arithmetic, so that the conversion after it is exact: triton's CPU interpreter (3.9) does not
+    carry a rounding into the exponent (7.78 became 4.0, not 8.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # 3 mantissa bits, ties to even
+    normal = rounded.to(tl.float32, bitcast=True)
+    magnitude = tl.abs(x)
+    subnormal = (magnitude + 24576.0) - 24576.0  # below 2**-6: multiples of 2**-9 (1.5 * 2**14)
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign bit kept (-0.0 too)
+    return tl.where(magnitude < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr,  # [T, Nkv, D]
     v_ptr,  # [T, Nkv, D]
@@ -52,8 +75,8 @@ def _write_kv_kernel(
     v = tl.load(
         v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :], mask
     )
-    tl.store(key_cache_ptr + destination, k, mask)
-    tl.store(value_cache_ptr + destination, v, mask)
+    tl.store(key_cache_ptr + destination, cache_value(k, key_cache_ptr), mask)
+    tl.store(value_cache_ptr + destination, cache_value(v, value_cache_ptr), mask)
 
 
 def write_kv(

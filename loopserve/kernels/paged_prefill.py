@@ -120,7 +120,7 @@ def _attend_tiles(
         rows = pages.to(tl.int64) * stride_cache_page + (tokens % BLOCK_SIZE) * stride_cache_offset
         offsets = rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
         load_mask = token_valid[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0)
+        k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0).to(q.dtype)  # (fp8 caches)
         scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [M, N]
         if MASKED:
             visible = (tokens[None, :] <= positions[:, None]) & token_valid[None, :]
@@ -129,7 +129,7 @@ def _attend_tiles(
         alpha = tl.exp2(running_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0)
+        v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST)
         running_max = new_max
     return running_max, running_sum, acc

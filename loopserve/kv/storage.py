@@ -14,6 +14,16 @@ from __future__ import annotations
 
 import torch
 
+FP8 = torch.float8_e4m3fn  # the `kv_cache_dtype="fp8"` storage
+FP8_MAX = 448.0  # its largest finite value: K/V beyond it are stored as +-448
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a cache of `dtype` stores it (float8 saturates at +-448, in every backend)."""
+    if dtype == FP8:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
 
 class KVStorage:
     def __init__(
@@ -40,6 +50,9 @@ class KVStorage:
         on_cpu = torch.device(device).type == "cpu"
         allocate = torch.empty if on_cpu else torch.zeros
         self.cache = allocate(shape, dtype=dtype, device=device)
+        # Whole-slot and whole-page moves copy bits: on a byte view for a float8 cache, whose
+        # indexing ops not every torch build has.
+        self._bits = self.cache.view(torch.uint8) if dtype == FP8 else self.cache
 
     @staticmethod
     def bytes_per_page(
@@ -60,7 +73,7 @@ class KVStorage:
     ) -> None:
         """Copy K and V of the first `num_layers` layers (default: every layer) from flat slots
         `source` [N] to `destination` [N]."""
-        flat = self.cache.view(
+        flat = self._bits.view(
             self.num_layers, 2, self.num_pages * self.block_size, self.num_kv_heads, self.head_dim
         )
         layers = self.num_layers if num_layers is None else num_layers
@@ -68,8 +81,9 @@ class KVStorage:
 
     def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
         """K/V of every layer of `pages` [N] int64: [L, 2, N, block, Nkv, D]."""
-        return self.cache.index_select(2, pages)
+        return self._bits.index_select(2, pages).view(self.cache.dtype)
 
     def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
         """Store `data` ([L, 2, N, block, Nkv, D], `read_pages`'s shape) into `pages` [N]."""
-        self.cache.index_copy_(2, pages, data)
+        bits = data.view(torch.uint8) if self.cache.dtype == FP8 else data
+        self._bits.index_copy_(2, pages, bits)

@@ -25,7 +25,7 @@ from loopserve.depth.trace import resolve_distribution
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.kernels.availability import triton_installed
 from loopserve.kv.pages import pages_for
-from loopserve.kv.storage import KVStorage
+from loopserve.kv.storage import FP8, KVStorage
 from loopserve.models.builtin import resolve_model_dir
 from loopserve.models.families import read_model_config
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
@@ -145,17 +145,18 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
             "(its prelude and coda layers' K/V are not replayed); use preemption_mode swap"
         )
     model.exit_criterion = model_config.resolve_exit_criterion(scheduler.exit_criterion)
+    kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else model.dtype
     bytes_per_page = KVStorage.bytes_per_page(
         model.num_kv_layers,
         scheduler.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        model.dtype,
+        kv_dtype,
     )
     check_slot_state(config, model, device)
     num_pages = num_kv_pages(config, model, bytes_per_page, device)
     max_model_len = resolve_max_model_len(config, model_config, num_pages)
-    spec = _attention_spec(config, model, device)
+    spec = _attention_spec(config, model, device, kv_dtype)
     choice = select_backend(config.attention_backend, spec)
     backend = choice.backend(spec)
     kv = KVStorage(
@@ -164,7 +165,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         block_size=scheduler.block_size,
         num_kv_heads=model_config.num_key_value_heads,
         head_dim=model_config.head_dim,
-        dtype=model.dtype,
+        dtype=kv_dtype,
         device=device,
     )
     tables = BlockTables(
@@ -188,6 +189,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         max_stop_token_ids=MAX_STOP_TOKEN_IDS,
         device=str(device),
         dtype=str(model.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         attention_backend=choice.backend.name,
         cuda_graphs=choice.cuda_graphs,
         kv_bytes_per_page=bytes_per_page,
@@ -205,7 +207,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
 
 
 def _attention_spec(
-    config: EngineConfig, model: LoopedForCausalLM, device: torch.device
+    config: EngineConfig, model: LoopedForCausalLM, device: torch.device, kv_dtype: torch.dtype
 ) -> AttentionSpec:
     model_config = model.config
     return AttentionSpec(
@@ -219,4 +221,5 @@ def _attention_spec(
         num_kv_heads=model_config.num_key_value_heads,
         block_size=config.scheduler.block_size,
         cuda_graphs=device.type == "cuda" and config.cuda_graphs,
+        kv_dtype=kv_dtype,
     )

@@ -22,6 +22,7 @@ from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.kernels import paged_prefill
 from loopserve.kv.pages import NULL_PAGE
+from loopserve.kv.storage import FP8, KVStorage, to_cache_dtype
 
 from .batch_specs import (
     DECODE_SPECS,
@@ -88,6 +89,45 @@ def test_backend_matches_torch_backend(spec: str, shape: HeadShape, device: torc
         atol=0,
         equal_nan=True,
     )
+
+
+FP8_CASES = [
+    (spec, shape)
+    for spec in ("mixed_lengths", "padding_rows", "planes", "packed_mixed", "tiny_segments")
+    for shape in SHAPES
+]
+
+
+@pytest.mark.parametrize(("spec", "shape"), FP8_CASES, ids=[f"{s}-{h}" for s, h in FP8_CASES])
+def test_fp8_cache_matches_torch_backend(spec: str, shape: HeadShape, device: torch.device) -> None:
+    """An fp8 KV cache (`kv_cache_dtype="fp8"`): the new K/V are stored with the same bits as
+    the torch backend stores them (saturating at +-448; some of this batch's values are scaled
+    past it), and attention over the fp8 cache agrees with the torch backend's."""
+    batch = build_batch(SPECS[spec], shape, device, seed=3)
+    batch.k[0] *= 1000.0  # beyond fp8's range: stored as +-448 by both
+    kv = KVStorage(
+        num_layers=2, num_pages=batch.kv.num_pages, block_size=batch.kv.block_size,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=FP8, device=device,
+    )  # fmt: skip
+    kv.cache.copy_(to_cache_dtype(batch.kv.cache, FP8))  # the poisoned pages stay NaN
+    before = kv.cache.clone()
+    attention_spec = dataclasses.replace(_spec(shape, device.type), kv_dtype=FP8)
+    fp8_batch = dataclasses.replace(batch, kv=kv)
+    expected = TorchAttentionBackend(attention_spec).forward(
+        batch.q, batch.k, batch.v, kv, batch.layer, batch.metadata
+    )
+    expected_cache = kv.cache.clone()
+    kv.cache.copy_(before)
+    out = _run_triton(fp8_batch, TritonAttentionBackend(attention_spec))
+    # fp32: a little looser than against float64, as the saturated key's scores are in the
+    # hundreds, which magnifies the two kernels' different summation orders.
+    close = {"rtol": 1e-4, "atol": 1e-4} if shape.dtype == torch.float32 else tolerance(shape.dtype)
+    torch.testing.assert_close(out, expected, **close)
+    assert torch.equal(  # bit for bit, NaN poison included
+        _without_null_page(kv.cache).view(torch.uint8),
+        _without_null_page(expected_cache).view(torch.uint8),
+    )
+    assert (expected_cache.float().abs() == 448.0).any()
 
 
 def test_decode_row_is_the_same_next_to_prompt_chunks(device: torch.device) -> None:

@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "eval": {"models", "depth", "data"} | CORE,
     "train": {"models", "data"} | CORE,
     "data": set(),
-    "reference": {"models", "sample", "depth", "structured"} | CORE,
+    # the reference keeps K/V as the cache stores them (kv.storage's fp8 rounding rule)
+    "reference": {"models", "sample", "depth", "structured", "kv.storage"} | CORE,
     "reference_spec": {"models.model_config", "models.huginn_config", "reference"},
     "engine": {"depth", "kv.pages", "kv.layout", "models.model_config", "models.generation_config"}
     | {"structured"}

@@ -40,7 +40,9 @@ class FlashInferBackend(OutBufferBackend):
     compute_capability_majors: ClassVar[frozenset[int] | None] = None  # None: any >= minimum
     group_sizes: ClassVar[frozenset[int] | None] = None  # query heads per KV head; None: any
     # The KV cache holds the model dtype today; an FP8 cache is declared here when it exists.
-    kv_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.bfloat16, torch.float16})
+    kv_cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
+        {torch.bfloat16, torch.float16}
+    )
     # A decode row's bits depend only on its own length and pages, never on the rows beside it,
     # the plan's row count or its page-width bucket (no KV split, or a fixed one).
     batch_invariant_decode: ClassVar[bool] = True
@@ -72,8 +74,8 @@ class FlashInferBackend(OutBufferBackend):
             reasons.append(f"{group} query heads per KV head not in {sorted(cls.group_sizes)}")
         if cls.block_sizes is not None and spec.block_size not in cls.block_sizes:
             reasons.append(f"block size {spec.block_size} not in {sorted(cls.block_sizes)}")
-        if spec.dtype not in cls.kv_cache_dtypes:
-            reasons.append(f"a {spec.dtype} KV cache is not supported")
+        if spec.cache_dtype == spec.dtype and spec.dtype not in (cls.kv_cache_dtypes or ()):
+            reasons.append(f"a {spec.dtype} KV cache is not supported")  # (else: the base says)
         majors, capability = cls.compute_capability_majors, spec.compute_capability
         if spec.device_type == "cuda" and majors and capability and capability[0] not in majors:
             names = "/SM".join(str(major) for major in sorted(majors))

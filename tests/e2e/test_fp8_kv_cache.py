@@ -1,0 +1,84 @@
+"""`kv_cache_dtype="fp8"` on the CPU: K/V stored as float8 e4m3 (scale 1, saturating at +-448).
+The engine equals the serial reference that keeps K/V the same way (tokens and exit depths, both
+layouts, gate exits, with preemption), the same memory holds more pages, and backends without an
+fp8 path say so."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from loopserve import LLM, SamplingParams
+from loopserve.attention.base import AttentionSpec
+from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend
+from loopserve.attention.torch_backend import TorchAttentionBackend
+from loopserve.kv.storage import FP8
+from loopserve.reference import SerialReference
+
+PROMPTS = [[7, 3, 9, 120, 44, 2, 18, 99, 5, 61, 17], [200], list(range(30, 70)), [5, 5, 81]]
+
+
+def params(index: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=10, temperature=0.0 if index % 2 else 1.0, seed=index, exit_threshold=0.6
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_layout", "num_kv_pages"), [("full", 256), ("shared", 256), ("full", 24)]
+)
+def test_fp8_engine_equals_the_fp8_reference(kv_layout: str, num_kv_pages: int) -> None:
+    llm = LLM(dtype="float32", kv_cache_dtype="fp8", kv_layout=kv_layout, num_kv_pages=num_kv_pages)
+    assert llm.engine.info.kv_cache_dtype == "float8_e4m3fn"
+    requests = [params(index) for index in range(len(PROMPTS))]
+    outputs = llm.generate(PROMPTS, requests)
+    reference = SerialReference(
+        llm.engine.runner.model, kv_layout=kv_layout, exit_mode="ouro", kv_cache_dtype="fp8"
+    )
+    exact = SerialReference(llm.engine.runner.model, kv_layout=kv_layout, exit_mode="ouro")
+    differs = False
+    for prompt, request, output in zip(PROMPTS, requests, outputs, strict=True):
+        resolved = llm.engine.resolve(request)
+        expected = reference.generate(prompt, resolved)
+        sequence = output.outputs[0]
+        assert (sequence.token_ids, sequence.exit_depths) == (
+            expected.token_ids,
+            expected.exit_depths,
+        )
+        differs |= exact.generate(prompt, resolved).token_ids != sequence.token_ids
+    if kv_layout == "full" and num_kv_pages == 256:  # (the shared layout's tokens happen not to)
+        assert differs, "fp8 K/V should change some token here (else the test tests nothing)"
+    if num_kv_pages == 24:
+        assert llm.engine.stats().num_preemptions > 0
+
+
+def test_the_same_memory_holds_more_pages() -> None:
+    sized = {
+        dtype: LLM(dtype="bfloat16", kv_cache_dtype=dtype, kv_cache_memory_gb=0.01)
+        for dtype in ("auto", "fp8")
+    }
+    pages = {dtype: llm.engine.info.num_kv_pages for dtype, llm in sized.items()}
+    bytes_per_page = {dtype: llm.engine.info.kv_bytes_per_page for dtype, llm in sized.items()}
+    assert bytes_per_page["auto"] == 2 * bytes_per_page["fp8"]
+    assert pages["fp8"] >= 2 * pages["auto"] - 2  # the null page and rounding
+
+
+def test_backends_declare_their_fp8_path() -> None:
+    spec = AttentionSpec(
+        device_type="cuda", compute_capability=(9, 0), dtype=torch.bfloat16, head_size=128,
+        num_heads=16, num_kv_heads=16, block_size=16, cuda_graphs=True,
+    )  # fmt: skip
+    fp8 = dataclasses.replace(spec, kv_dtype=FP8)
+    assert "KV cache is not supported" not in " ".join(
+        TorchAttentionBackend.unsupported_reasons(fp8)
+    )
+    reasons = FlashInferFA2Backend.unsupported_reasons(fp8)
+    assert any("torch.float8_e4m3fn KV cache is not supported" in r for r in reasons), reasons
+    assert not any("KV cache" in r for r in FlashInferFA2Backend.unsupported_reasons(spec))
+
+
+def test_an_unknown_kv_cache_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(kv_cache_dtype="int4")
