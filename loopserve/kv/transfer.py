@@ -15,7 +15,11 @@ import torch
 def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype)` on `device`, copied asynchronously from pinned memory
     when `device` is a GPU."""
-    host = torch.tensor(values, dtype=dtype)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied asynchronously from pinned memory when it is a GPU."""
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -24,6 +24,7 @@ import torch
 from loopserve.depth import policy
 from loopserve.depth.policy import RowDepth
 from loopserve.engine.scheduler_output import TokenMask
+from loopserve.kv.transfer import host_to_device
 from loopserve.sample.sampler import host_masks, mask_words
 
 # The columns ahead of the bitmask words in `SlotMasks.apply`'s upload.
@@ -66,9 +67,7 @@ class SlotMasks:
             dtype=torch.int32,
         )
         host = torch.cat([header, host_masks([m.words for m in masks], self.vocab_size)], dim=1)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        rows = host.to(self.device, non_blocking=True)
+        rows = host_to_device(host, self.device)
         index = rows[:, SLOT].long()
         self.mask_index.index_copy_(0, index, rows[:, INDEX])
         self.begin_after.index_copy_(0, index, rows[:, BEGIN_AFTER])

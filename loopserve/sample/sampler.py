@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.kernels.availability import compiled_for
-from loopserve.kv.transfer import to_device
+from loopserve.kv.transfer import host_to_device, to_device
 from loopserve.sample.noise import gumbel_noise
 from loopserve.sampling_params import SamplingInfo, SamplingParams
 
@@ -113,11 +113,8 @@ def mask_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(constrained [R] bool, bitmasks [R, words] int32) on `device`; a None row is free (its
     words are zeros, unused)."""
-    host = host_masks(masks, vocab_size)
-    if device.type == "cuda":
-        host = host.pin_memory()
     flags = to_device([mask is not None for mask in masks], torch.bool, device)
-    return flags, host.to(device, non_blocking=True)
+    return flags, host_to_device(host_masks(masks, vocab_size), device)
 
 
 def apply_token_mask(
