@@ -79,7 +79,6 @@ class Scheduler:
         self._dropped_swaps: list[str] = []
         self._pinned_swap_pages = pinned_swap_pages
         self._replays = replays and config.kv_layout is KVLayout.FULL
-        self._swapped_pages = 0  # pages of K/V preempted requests hold in host memory
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -104,7 +103,6 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = "abort"
                 if request.swapped_pages is not None:
-                    self._swapped_pages -= sum(request.swapped_pages)
                     request.swapped_pages = None
                     self._dropped_swaps.append(request_id)
                 return request
@@ -306,7 +304,6 @@ class Scheduler:
         if not self._recomputes(len(pages)):
             self._swap_out.append(PageMove(victim.request_id, pages))
             victim.swapped_pages = [len(table) for table in tables]
-            self._swapped_pages += len(pages)
             self.stats.swapped_out_pages += len(pages)
         else:  # its prompt and all but its in-flight token are prefilled again when admitted
             victim.num_computed_tokens = 0
@@ -325,7 +322,11 @@ class Scheduler:
         if mode is not PreemptionMode.AUTO:
             return mode is PreemptionMode.RECOMPUTE
         pinned = self._pinned_swap_pages
-        return self._replays and pinned is not None and self._swapped_pages + num_pages > pinned
+        if not self._replays or pinned is None:
+            return False
+        # Pages preempted requests hold in host memory (only waiting requests hold any).
+        held = sum(sum(r.swapped_pages) for r in self.waiting if r.swapped_pages is not None)
+        return held + num_pages > pinned
 
     def _resume(self, request: Request, output: SchedulerOutput) -> None:
         """Give a preempted request new pages, its K/V back, and (decoding) its slot."""
@@ -337,7 +338,6 @@ class Scheduler:
                 output.page_updates.append(PageTableUpdate(request.slot, plane, start, new))
             pages += new
         output.swap_in.append(PageMove(request.request_id, pages))
-        self._swapped_pages -= sum(request.swapped_pages)
         request.swapped_pages = None
         if request.is_decoding:
             for plane in self.layout.prompt_only_planes(request.params.max_loops):
