@@ -19,7 +19,7 @@ PREFIX_ARGS="${PREFIX_ARGS:---workload 512/128 --shared-prefix 384 --concurrency
 --prefix-caching on,off --exits fixed --scheduling refill --graphs on --trials 1 \
 --warmup-output-len 8}"
 CAPACITY_ARGS="${CAPACITY_ARGS:---workload 1024/512 --concurrency 24,40 \
---kv-allocation reserve,incremental --preemption-mode swap,recompute --exits fixed \
+--kv-allocation reserve,incremental --preemption-mode swap,recompute,auto --exits fixed \
 --scheduling refill --graphs on --trials 1 \
 --warmup-output-len 8 --gpu-memory-utilization 0.26 --max-model-len 2048}"
 PARTS="${PARTS:-prefix capacity}"

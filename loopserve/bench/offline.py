@@ -114,7 +114,7 @@ def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--kv-allocation", help="comma list of incremental, reserve (default incremental)"
     )
-    group.add_argument("--preemption-mode", help="comma list of swap, recompute (default swap)")
+    group.add_argument("--preemption-mode", help="comma list of swap, recompute, auto (default swap)")
     group.add_argument(
         "--shared-prefix",
         type=int,

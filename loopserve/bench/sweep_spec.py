@@ -25,7 +25,7 @@ GRAPHS = ("on", "off")
 KV_LAYOUTS = ("full", "shared")
 ON_OFF = ("on", "off")
 KV_ALLOCATIONS = ("incremental", "reserve")
-PREEMPTION_MODES = ("swap", "recompute")
+PREEMPTION_MODES = ("swap", "recompute", "auto")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -74,7 +74,7 @@ class Variant:
     kv_layout: str  # "full" or "shared"
     prefix_caching: bool = True
     kv_allocation: str = "incremental"  # or "reserve"
-    preemption_mode: str = "swap"  # or "recompute" (incremental allocation preempts)
+    preemption_mode: str = "swap"  # or "recompute", "auto" (incremental allocation preempts)
 
     @property
     def engine_key(self) -> EngineKey:

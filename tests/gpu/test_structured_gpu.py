@@ -19,6 +19,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+pytest.importorskip("llguidance", reason="structured outputs need llguidance (carry its wheel)")
 # Many items: a request keeps generating for as long as the test steps.
 LONG = Spec(
     json={
