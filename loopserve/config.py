@@ -21,6 +21,7 @@ from loopserve.kv.layout import KVLayout
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GENERATION_CONFIGS = ("auto", "none")
 KV_CACHE_DTYPES = ("auto", "fp8")
+QUANTIZATIONS = ("none", "fp8")
 
 
 class LoadFormat(str, enum.Enum):
@@ -176,6 +177,14 @@ class EngineConfig:
         "fp8 is served by the torch and triton attention backends",
         choices=KV_CACHE_DTYPES,
     )
+    quantization: str = setting(
+        "none",
+        "weights: none (the model's dtype) or fp8 (each layer's projections quantized at load to "
+        "float8 e4m3 with an fp32 scale per output channel, activations kept in the model's "
+        "dtype; the LM head, embeddings and exit gate stay unquantized); half the weight bytes "
+        "a decode loop reads",
+        choices=QUANTIZATIONS,
+    )
     num_kv_pages: int | None = setting(
         None, "exact number of KV pages (the null page included); default: sized from memory"
     )
@@ -235,6 +244,8 @@ class EngineConfig:
             raise _invalid(
                 "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}", self.kv_cache_dtype
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise _invalid("quantization", f"must be one of {QUANTIZATIONS}", self.quantization)
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise _invalid("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -69,10 +69,12 @@ class _DenseKV:
             [None] * num_layers for _ in range(num_planes)
         ]
 
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V as the cache keeps them, in their own dtype."""
+        return x if self.kv_dtype is None else to_cache_dtype(x, self.kv_dtype).to(x.dtype)
+
     def append(self, plane: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.kv_dtype is not None:
-            k = to_cache_dtype(k, self.kv_dtype).to(k.dtype)
-            v = to_cache_dtype(v, self.kv_dtype).to(v.dtype)
+        k, v = self.stored(k), self.stored(v)
         old_k, old_v = self.keys[plane][layer], self.values[plane][layer]
         self.keys[plane][layer] = k if old_k is None else torch.cat([old_k, k])
         self.values[plane][layer] = v if old_v is None else torch.cat([old_v, v])
@@ -288,9 +290,11 @@ def _attend_beside(
     kept: _DenseKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
     """One token's attention over every earlier token's kept version (plane 0 of `kept`) and
-    its own current K/V, keeping nothing."""
+    its own current K/V, keeping nothing (its K/V read as the cache stores them, as the engine
+    reads them after writing them there)."""
     keys, values = kept.get(0, layer)
-    return attend(q, torch.cat([keys, k]), torch.cat([values, v]), causal=False)
+    keys, values = torch.cat([keys, kept.stored(k)]), torch.cat([values, kept.stored(v)])
+    return attend(q, keys, values, causal=False)
 
 
 def _peeking(stages: _DenseKV) -> AttentionFn:

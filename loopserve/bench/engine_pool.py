@@ -50,6 +50,8 @@ class EngineSettings:
     seed: int
     trace_distribution: tuple[float, ...] = ()  # the trace exits' (empty: the family's default)
     batch_invariant: bool = False  # the engine setting of that name
+    kv_cache_dtype: str = "auto"  # the engine settings of those names
+    quantization: str = "none"
     timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
 
 
@@ -70,6 +72,8 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         dtype=settings.dtype,
         kv_layout=key.kv_layout,
         attention_backend=settings.attention_backend,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        quantization=settings.quantization,
         num_kv_pages=settings.num_kv_pages,
         gpu_memory_utilization=settings.gpu_memory_utilization * memory_share,
         max_num_seqs=settings.max_num_seqs,

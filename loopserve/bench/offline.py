@@ -114,7 +114,9 @@ def _sweep_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--kv-allocation", help="comma list of incremental, reserve (default incremental)"
     )
-    group.add_argument("--preemption-mode", help="comma list of swap, recompute, auto (default swap)")
+    group.add_argument(
+        "--preemption-mode", help="comma list of swap, recompute, auto (default swap)"
+    )
     group.add_argument(
         "--shared-prefix",
         type=int,
@@ -133,6 +135,12 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA), bfloat16, float32")
     group.add_argument("--kv-layout", default="full", help="comma list of full, shared")
     group.add_argument("--attention-backend", default="auto")
+    group.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8 (float8 e4m3)"
+    )
+    group.add_argument(
+        "--quantization", default="none", help="weights: none or fp8 (docs/quantization.md)"
+    )
     group.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest C")
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="default: max(2048, max-num-seqs)"
@@ -349,6 +357,8 @@ def _engine_settings(
         device=str(device),
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max_seqs),
         prefill_chunk_size=args.prefill_chunk_size,

@@ -41,6 +41,7 @@ class RunnerInfo:
     # for it on the spot, slowly); None where host memory needs no pinning (a CPU).
     pinned_swap_pages: int | None = None
     kv_cache_dtype: str = ""  # how K/V are stored ("" in runners that do not say: as `dtype`)
+    quantization: str = "none"  # how the layers' weights are stored: none (as `dtype`) or fp8
 
 
 class PendingStep(Protocol):

@@ -49,9 +49,12 @@ from loopserve.kernels.fused_ops import silu_times
 
 @triton.jit
 def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32)."""
+    """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32). An fp8
+    weight is widened to a's dtype first, which holds every e4m3 value exactly."""
     if UPCAST:
         a, w = a.to(tl.float32), w.to(tl.float32)
+    else:
+        w = w.to(a.dtype)
     if IEEE:
         return tl.dot(a, w, acc, input_precision="ieee")
     return tl.dot(a, w, acc)
@@ -59,12 +62,13 @@ def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, w_ptr, out_ptr, want_ptr, M, N, K, stride_a, stride_w, stride_out,
+    a_ptr, w_ptr, scale_ptr, out_ptr, want_ptr, M, N, K, stride_a, stride_w, stride_out,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,  # CPU tensors (the interpreter): dot operands in fp32, see `linear`
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
     SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
+    SCALED: tl.constexpr,  # scale_ptr: W's fp32 scale per row (an fp8 W), applied to the sums
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,12 +102,17 @@ def _matmul_kernel(
         if SWIGLU:
             w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)
             acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
-    # Rounded to W's dtype first, so an fp32 output holds what `F.linear(...).float()` would;
-    # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves.
-    value = acc.to(w_ptr.dtype.element_ty)
+    # Rounded to x's dtype first, so an fp32 output holds what `F.linear(...).float()` would;
+    # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves. An fp8 W's
+    # scales multiply the fp32 sums before that rounding (`models.quant.fp8_linear`).
+    if SCALED:
+        acc = acc * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)[None, :]
+        if SWIGLU:
+            acc_up = acc_up * tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)[None, :]
+    value = acc.to(a_ptr.dtype.element_ty)
     if SWIGLU:
-        up = acc_up.to(w_ptr.dtype.element_ty).to(tl.float32)
-        value = silu_times(value.to(tl.float32), up, w_ptr.dtype.element_ty)
+        up = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
+        value = silu_times(value.to(tl.float32), up, a_ptr.dtype.element_ty)
     value = tl.where(wanted[:, None], value, 0.0)
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -147,40 +156,58 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
 
 def linear(
     x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K], x's dtype
+    weight: torch.Tensor,  # [N, K], x's dtype, or float8 e4m3 with `scale`
     tiling: Tiling | None = None,
     rows_wanted: torch.Tensor | None = None,  # [M] bool: compute these rows, zeros elsewhere
-    out_dtype: torch.dtype | None = None,  # default W's; the values are rounded to W's first
+    out_dtype: torch.dtype | None = None,  # default x's; the values are rounded to x's first
     swiglu: bool = False,  # W = [W_gate; W_up]: silu(x W_gate^T) * x W_up^T, [M, N / 2]
+    scale: torch.Tensor | None = None,  # [N] fp32: an fp8 W's scale per row (models.quant)
 ) -> torch.Tensor:
-    """x W^T, [M, N]; with `swiglu`, `fused_ops.silu_mul` of its two halves, [M, N / 2], each
-    half rounded to W's dtype first as a separate matmul's output would be."""
+    """x W^T, [M, N] (an fp8 W: (x W^T) * scale, the fp32 sums scaled); with `swiglu`,
+    `fused_ops.silu_mul` of its two halves, [M, N / 2], each half rounded to x's dtype first as a
+    separate matmul's output would be."""
     rows, depth = x.shape
     columns = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if weight.shape[1] != depth or weight.dtype != x.dtype or (swiglu and weight.shape[0] % 2):
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if (
+        weight.shape[1] != depth
+        or (swiglu and weight.shape[0] % 2)
+        or (not fp8 and weight.dtype != x.dtype)
+    ):
         raise ValueError(
             f"linear of x {tuple(x.shape)} {x.dtype} by W {tuple(weight.shape)} {weight.dtype}: "
-            "W must be [N, K] of x's dtype" + (" with N even (swiglu)" if swiglu else "")
+            "W must be [N, K] of x's dtype or float8_e4m3fn"
+            + (" with N even (swiglu)" if swiglu else "")
+        )
+    if fp8 != (scale is not None) or (
+        scale is not None and (scale.shape != (weight.shape[0],) or scale.dtype != torch.float32)
+    ):
+        raise ValueError(
+            f"linear by a {weight.dtype} W [{weight.shape[0]}, K] needs "
+            + (f"an fp32 [{weight.shape[0]}] scale" if fp8 else "no scale")
         )
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("linear needs x and W with a contiguous last dimension")
     wanted = rows_wanted
     if wanted is not None and (wanted.shape != (rows,) or wanted.dtype != torch.bool):
         raise ValueError(f"linear's rows_wanted must be a [{rows}] bool mask")
-    out = torch.empty((rows, columns), dtype=out_dtype or weight.dtype, device=x.device)
+    out = torch.empty((rows, columns), dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out
-    tile = tiling or tiling_for(rows, columns, weight.dtype, swiglu)
+    # fp32 x (exactness runs) takes fp32's tiling whatever W's dtype.
+    tile_dtype = torch.float32 if x.dtype == torch.float32 else weight.dtype
+    tile = tiling or tiling_for(rows, columns, tile_dtype, swiglu)
     grid = (triton.cdiv(columns, tile.block_n), triton.cdiv(rows, tile.block_m))
     masked = rows_wanted is not None
     _matmul_kernel[grid](
-        x, weight, out, rows_wanted if masked else x, rows, columns, depth, x.stride(0),
-        weight.stride(0), out.stride(0), IEEE=weight.dtype == torch.float32,
+        x, weight, x if scale is None else scale, out, rows_wanted if masked else x, rows,
+        columns, depth, x.stride(0), weight.stride(0), out.stride(0),
+        IEEE=x.dtype == torch.float32,
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
-        # operands are exact for bf16 / fp16 values.
+        # operands are exact for bf16 / fp16 / fp8 values.
         UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0, MASKED=masked,
-        SWIGLU=swiglu, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        SWIGLU=swiglu, SCALED=scale is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out
 

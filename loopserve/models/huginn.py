@@ -22,12 +22,12 @@ from typing import cast
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from loopserve.models.huginn_config import HuginnConfig
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.ops import ModelOps, RMSNorm
+from loopserve.models.quant import Linear
 from loopserve.sample.noise import uniform_noise
 
 # Initial states are drawn from their own stream of the counter-based noise: the request's seed
@@ -39,7 +39,7 @@ _LOW, _HIGH = 0.5 * math.erfc(3 / math.sqrt(2)), 0.5 * math.erfc(-3 / math.sqrt(
 
 def _linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    layer: Linear,
     ops: ModelOps,
     stage: bool,
     rows: torch.Tensor | None,
@@ -48,8 +48,8 @@ def _linear(
     """A projection of a block layer (every row, cuBLAS) or of a prelude / coda layer (only the
     rows a decode step needs, `ModelOps.stage_linear`)."""
     if stage:
-        return ops.stage_linear(x, weight, rows, swiglu)
-    return ops.swiglu(x, weight) if swiglu else F.linear(x, weight)
+        return ops.stage_linear(x, layer, rows, swiglu)
+    return ops.swiglu(x, layer) if swiglu else ops.linear(x, layer)
 
 
 class HuginnAttention(nn.Module):
@@ -79,7 +79,7 @@ class HuginnAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         shape = (tokens, self.num_heads, self.head_dim)
-        qkv = _linear(x, self.Wqkv.weight, ops, self.stage, rows)
+        qkv = _linear(x, self.Wqkv, ops, self.stage, rows)
         qk, v = qkv[:, : 2 * x.shape[1]], qkv[:, 2 * x.shape[1] :]
         if self.qk_bias is not None:  # [q, k] of a token stay side by side, as fused RoPE wants
             qk = qk + self.qk_bias.reshape(-1)
@@ -88,7 +88,7 @@ class HuginnAttention(nn.Module):
         if not ctx.attention_rotates:
             q, k = ops.rotary(q, k, ctx.cos, ctx.sin)
         out = ctx.attention(layer_index, q, k, v)  # [T, heads, D]
-        return _linear(out.reshape(tokens, -1), self.proj.weight, ops, self.stage, rows)
+        return _linear(out.reshape(tokens, -1), self.proj, ops, self.stage, rows)
 
 
 class GatedMLP(nn.Module):
@@ -103,10 +103,10 @@ class GatedMLP(nn.Module):
     def forward(
         self, x: torch.Tensor, ops: ModelOps, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        activated = _linear(x, self.fc.weight, ops, self.stage, rows, swiglu=True)
+        activated = _linear(x, self.fc, ops, self.stage, rows, swiglu=True)
         if not self.stage:
-            return ops.down_proj(activated, self.proj.weight)
-        return ops.stage_linear(activated, self.proj.weight, rows)
+            return ops.down_proj(activated, self.proj)
+        return ops.stage_linear(activated, self.proj, rows)
 
 
 class SandwichBlock(nn.Module):
@@ -249,7 +249,7 @@ class HuginnForCausalLM(LoopedForCausalLM):
     def run_loop(self, hidden: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """[s, e] -> [core(adapter([s, e])), e]."""
         e = hidden[:, self.config.hidden_size :]
-        x = self.transformer.adapter(hidden)
+        x = self.ops.linear(hidden, self.transformer.adapter)
         for index, layer in enumerate(self.transformer.blocks("core_block")):
             x = layer(x, index, ctx, self.ops)
         return torch.cat([x, e], dim=-1)

@@ -19,6 +19,7 @@ from torch import nn
 
 from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ops import ModelOps
+from loopserve.models.quant import Linear, fused_linear
 
 # (layer index, q [T, Nq, D], k [T, Nkv, D], v [T, Nkv, D]) -> attention output [T, Nq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,7 +57,8 @@ class RotaryEmbedding:
 
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections (as in the checkpoint) or, after
-    `fuse_projections`, one qkv projection (one matmul instead of three)."""
+    `fuse_projections`, one qkv projection (one matmul instead of three). Every projection runs
+    through `ModelOps.linear` (bf16 or fp8 weights, `models.quant`)."""
 
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__()
@@ -64,11 +66,11 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj: nn.Linear | None = nn.Linear(hidden, self.q_size, bias=False)
-        self.k_proj: nn.Linear | None = nn.Linear(hidden, self.kv_size, bias=False)
-        self.v_proj: nn.Linear | None = nn.Linear(hidden, self.kv_size, bias=False)
-        self.qkv_proj: nn.Linear | None = None
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.q_proj: Linear | None = nn.Linear(hidden, self.q_size, bias=False)
+        self.k_proj: Linear | None = nn.Linear(hidden, self.kv_size, bias=False)
+        self.v_proj: Linear | None = nn.Linear(hidden, self.kv_size, bias=False)
+        self.qkv_proj: Linear | None = None
+        self.o_proj: Linear = nn.Linear(self.q_size, hidden, bias=False)
 
     @property
     def q_size(self) -> int:
@@ -83,14 +85,17 @@ class Attention(nn.Module):
         self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
         self.q_proj = self.k_proj = self.v_proj = None
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(
+        self, x: torch.Tensor, ops: ModelOps
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, Nq, D], k/v [T, Nkv, D] (views of one matmul when fused)."""
         tokens = x.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = ops.linear(x, self.qkv_proj)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (ops.linear(x, proj) for proj in (self.q_proj, self.k_proj, self.v_proj))
         return (
             q.view(tokens, self.num_heads, self.head_dim),
             k.view(tokens, self.num_kv_heads, self.head_dim),
@@ -100,11 +105,11 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, layer_index: int, ctx: LoopContext, ops: ModelOps
     ) -> torch.Tensor:
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, ops)
         if not ctx.attention_rotates:
             q, k = ops.rotary(q, k, ctx.cos, ctx.sin)
         out = ctx.attention(layer_index, q, k, v)  # [T, Nq, D]
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return ops.linear(out.reshape(x.shape[0], self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -113,10 +118,10 @@ class MLP(nn.Module):
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj: nn.Linear | None = nn.Linear(hidden, inner, bias=False)
-        self.up_proj: nn.Linear | None = nn.Linear(hidden, inner, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj: Linear | None = nn.Linear(hidden, inner, bias=False)
+        self.up_proj: Linear | None = nn.Linear(hidden, inner, bias=False)
+        self.gate_up_proj: Linear | None = None
+        self.down_proj: Linear = nn.Linear(inner, hidden, bias=False)
 
     def fuse_projections(self) -> None:
         assert self.gate_proj is not None and self.up_proj is not None
@@ -125,16 +130,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            activated = ops.swiglu(x, self.gate_up_proj.weight)
+            activated = ops.swiglu(x, self.gate_up_proj)
         else:
             assert self.gate_proj is not None and self.up_proj is not None
-            activated = ops.silu_mul(self.gate_proj(x), self.up_proj(x))
-        return ops.down_proj(activated, self.down_proj.weight)
-
-
-def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One bias-free linear whose output is the parts' outputs side by side."""
-    weight = torch.cat([part.weight for part in parts], dim=0)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    return fused
+            activated = ops.silu_mul(ops.linear(x, self.gate_proj), ops.linear(x, self.up_proj))
+        return ops.down_proj(activated, self.down_proj)

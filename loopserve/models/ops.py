@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopserve.models.quant import Linear, fp8_linear, weight_scale
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -63,18 +65,22 @@ class ModelOps(Protocol):
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
 
-    def swiglu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        """x W^T of a layer's projection (bf16 or fp8 weights: `models.quant`'s rule)."""
+        ...
+
+    def swiglu(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         """silu_mul(gate, up) of x W^T = [gate, up]: the MLP's fused gate/up projection."""
         ...
 
-    def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def down_proj(self, activated: torch.Tensor, layer: Linear) -> torch.Tensor:
         """activated W^T: the MLP's down projection."""
         ...
 
     def stage_linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        layer: Linear,
         rows: torch.Tensor | None,
         swiglu: bool = False,
     ) -> torch.Tensor:
@@ -121,22 +127,26 @@ class TorchOps:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
-    def swiglu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        scale = weight_scale(layer)
+        return F.linear(x, layer.weight) if scale is None else fp8_linear(x, layer.weight, scale)
+
+    def swiglu(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        gate, up = self.linear(x, layer).chunk(2, dim=-1)
         return self.silu_mul(gate, up)
 
-    def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(activated, weight)
+    def down_proj(self, activated: torch.Tensor, layer: Linear) -> torch.Tensor:
+        return self.linear(activated, layer)
 
     def stage_linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        layer: Linear,
         rows: torch.Tensor | None,
         swiglu: bool = False,
     ) -> torch.Tensor:
         """Every row (the rows not needed are computed and left unused)."""
-        return self.swiglu(x, weight) if swiglu else F.linear(x, weight)
+        return self.swiglu(x, layer) if swiglu else self.linear(x, layer)
 
     def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
@@ -167,6 +177,10 @@ class TritonOps(TorchOps):
     `batch_invariant`: the down projection runs as `kernels.matmul.linear`, whose rows have the
     same bits at every row count; cuBLAS (the default) changes its reduction order with the row
     count for some shapes (kernels/matmul.py says which).
+
+    FP8 weights (`models.quant`): every projection is `kernels.matmul.linear` at every row count
+    (the fp8 W widened to x's dtype in registers; a row has the same bits at every M, so the
+    engine stays equal to the serial reference and its matmuls batch-invariant).
     """
 
     rotary_is_fused_ops = True
@@ -206,19 +220,29 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._kernels.silu_mul(gate, up)
 
-    def swiglu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.shape[0] > self.SWIGLU_ROWS:
-            return super().swiglu(x, weight)
+    def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        scale = weight_scale(layer)
+        if scale is None:
+            return super().linear(x, layer)
         from loopserve.kernels.matmul import linear
 
-        return linear(x, weight, swiglu=True)
+        return linear(x, layer.weight, scale=scale)
 
-    def down_proj(self, activated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self.batch_invariant:
-            return super().down_proj(activated, weight)
+    def swiglu(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        scale = weight_scale(layer)
+        if scale is None and (x.dtype != torch.bfloat16 or x.shape[0] > self.SWIGLU_ROWS):
+            return super().swiglu(x, layer)
         from loopserve.kernels.matmul import linear
 
-        return linear(activated, weight)
+        return linear(x, layer.weight, swiglu=True, scale=scale)
+
+    def down_proj(self, activated: torch.Tensor, layer: Linear) -> torch.Tensor:
+        scale = weight_scale(layer)
+        if scale is None and not self.batch_invariant:
+            return super().down_proj(activated, layer)
+        from loopserve.kernels.matmul import linear
+
+        return linear(activated, layer.weight, scale=scale)
 
     def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
@@ -230,7 +254,7 @@ class TritonOps(TorchOps):
     def stage_linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        layer: Linear,
         rows: torch.Tensor | None,
         swiglu: bool = False,
     ) -> torch.Tensor:
@@ -239,7 +263,9 @@ class TritonOps(TorchOps):
         mask or the row count (so the serial reference, unmasked, gets the engine's bits)."""
         from loopserve.kernels.matmul import linear
 
-        return linear(x.contiguous(), weight, rows_wanted=rows, swiglu=swiglu)
+        return linear(
+            x.contiguous(), layer.weight, rows_wanted=rows, swiglu=swiglu, scale=weight_scale(layer)
+        )
 
     def lm_head(
         self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None

@@ -31,6 +31,7 @@ from loopserve.models.families import read_model_config
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.ops import TritonOps
+from loopserve.models.quant import quantization_of, quantize_model
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep
@@ -120,6 +121,9 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
     else:
         model = load_checkpoint(model_dir, dtype, device)
     model.fuse_projections()
+    if config.quantization == "fp8":
+        quantized = quantize_model(model)
+        logger.info("fp8 weights: %d projections quantized at load", quantized)
     if fused:
         model.ops = TritonOps(batch_invariant=config.batch_invariant)
     invariant = " with batch-invariant matmuls" if config.batch_invariant else ""
@@ -190,6 +194,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         device=str(device),
         dtype=str(model.dtype).removeprefix("torch."),
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        quantization=quantization_of(model),
         attention_backend=choice.backend.name,
         cuda_graphs=choice.cuda_graphs,
         kv_bytes_per_page=bytes_per_page,

@@ -9,6 +9,7 @@ from loopserve.models.checkpoint_writer import random_state_dict
 from loopserve.models.layers import LoopContext
 from loopserve.models.ops import RMSNorm, TorchOps, TritonOps
 from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.quant import Fp8Linear, Linear, quantize_model
 from loopserve.reference import attend
 from tests.conftest import TINY_CONFIG
 from tests.kernels.conftest import ON_GPU
@@ -92,24 +93,49 @@ def test_silu_mul(dtype: torch.dtype, device: torch.device) -> None:
     close(TritonOps().silu_mul(gate, up), TorchOps().silu_mul(gate, up))
 
 
+def _projection(
+    rows: int, depth: int, dtype: torch.dtype, device: torch.device, fp8: bool
+) -> Linear:
+    layer = torch.nn.Linear(depth, rows, bias=False, device="meta")
+    layer.weight = torch.nn.Parameter((0.1 * torch.randn(rows, depth)).to(device, dtype))
+    return Fp8Linear.quantize(layer) if fp8 else layer
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [3, TritonOps.SWIGLU_ROWS + 1])
-def test_swiglu(dtype: torch.dtype, device: torch.device, rows: int) -> None:
+def test_swiglu(dtype: torch.dtype, device: torch.device, rows: int, fp8: bool) -> None:
     """The fused gate/up projection with SiLU·up: the Triton matmul's epilogue in bf16 up to
-    SWIGLU_ROWS rows, cuBLAS and `silu_mul` otherwise; torch's values either way."""
+    SWIGLU_ROWS rows (fp8 weights: at every row count), cuBLAS and `silu_mul` otherwise; torch's
+    values either way."""
     torch.manual_seed(5)
     x = torch.randn(rows, 64).to(device=device, dtype=dtype)
-    weight = (0.1 * torch.randn(2 * 96, 64)).to(device=device, dtype=dtype)
-    got = TritonOps().swiglu(x, weight)
-    assert got.shape == (rows, 96)
-    close(got, TorchOps().swiglu(x, weight))
+    layer = _projection(2 * 96, 64, dtype, device, fp8)
+    got = TritonOps().swiglu(x, layer)
+    assert got.shape == (rows, 96) and got.dtype == dtype
+    close(got, TorchOps().swiglu(x, layer))
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_a_fused_loop_matches_the_torch_loop(device: torch.device, batch_invariant: bool) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_projections_match_torch(dtype: torch.dtype, device: torch.device) -> None:
+    """`linear` and `down_proj` of an fp8 projection: the Triton matmul against `models.quant`'s
+    torch math (the products summed in fp32, scaled per row, rounded once)."""
+    torch.manual_seed(6)
+    x = torch.randn(5, 96).to(device=device, dtype=dtype)
+    layer = _projection(40, 96, dtype, device, fp8=True)
+    for op in ("linear", "down_proj"):
+        got = getattr(TritonOps(), op)(x, layer)
+        assert got.dtype == dtype
+        close(got, getattr(TorchOps(), op)(x, layer))
+
+
+@pytest.mark.parametrize(("batch_invariant", "fp8"), [(False, False), (True, False), (False, True)])
+def test_a_fused_loop_matches_the_torch_loop(
+    device: torch.device, batch_invariant: bool, fp8: bool
+) -> None:
     """Fused projections and fused ops together: one loop of a tiny model and its exit gate,
     fp32 (the gate through kernels/matmul.py); `batch_invariant` puts the down projection there
-    too."""
+    too; `fp8` quantizes the projections first (every one then through kernels/matmul.py)."""
     model = OuroForCausalLM(TINY_CONFIG)
     model.load_state_dict(random_state_dict(TINY_CONFIG, seed=4), strict=False)
     model = model.to(device).eval()
@@ -122,9 +148,13 @@ def test_a_fused_loop_matches_the_torch_loop(device: torch.device, batch_invaria
 
     context = LoopContext(cos, sin, attention)
     with torch.inference_mode():
+        if fp8:
+            model.fuse_projections()
+            assert quantize_model(model) == 4 * TINY_CONFIG.num_hidden_layers
         expected = model.run_loop(hidden, context)
         expected_hazard = model.exit_probability(expected, hidden, 0.5)
-        model.fuse_projections()
+        if not fp8:
+            model.fuse_projections()
         model.ops = TritonOps(batch_invariant=batch_invariant)
         actual = model.run_loop(hidden, context)
         hazard = model.exit_probability(expected, hidden, 0.5)

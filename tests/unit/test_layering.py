@@ -37,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     | {"kernels", "kv", "depth"}
     | CORE,
     # Huginn's random initial state is drawn from the counter-based noise that sampling uses
-    "models": {"kernels", "sample.noise"},
+    # fp8 weights round by the fp8 KV cache's rule (kv.storage.to_cache_dtype)
+    "models": {"kernels", "sample.noise", "kv.storage"},
     "attention": {"kernels", "kv"},
     # the decode-state kernels return the depth rule's own outcome type
     "kernels": {"kv", "depth.policy"},

@@ -1,0 +1,139 @@
+"""What fp8 weights buy a layer's projections, and which tiling does it (GPU).
+
+`python -m benchmarks.fp8_matmul [--rows 1,8,...] [--shapes qkv,o,gate_up,down] [--out FILE]`:
+for Ouro-1.4B's four projections (the gate/up one with SiLU·up as its epilogue, as the engine
+runs it) at each row count, µs per call by CUDA-graph replay (`graph_replay.replay_ms`, the
+median) over enough weight copies to defeat the 50 MB L2, of: cuBLAS on the bf16 weight (and
+`silu_mul` after it for gate/up), and `kernels.matmul.linear` on the fp8 weight under its default
+tiling and under each candidate tiling. Each figure comes with the bytes it must move (weights,
+scales, activations in and out) as a fraction of the copy bandwidth `bench.calibration` measures.
+Prints one JSON line per (shape, rows, tiling); the best candidate per (shape, rows) last.
+Must not: check correctness (tests/kernels/test_fp8_matmul.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.graph_replay import replay_ms
+from loopserve.bench.calibration import measure_ceilings
+from loopserve.kernels import fused_ops
+from loopserve.kernels.matmul import Tiling, linear, tiling_for
+from loopserve.kv.storage import FP8
+from loopserve.models.quant import quantize_weight
+
+HIDDEN, INTER = 2048, 5632  # Ouro-1.4B (16 heads of 128: q, k and v are 2,048 wide each)
+SHAPES = {  # name -> (W's rows N, K)
+    "qkv": (3 * HIDDEN, HIDDEN),
+    "o": (HIDDEN, HIDDEN),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+}
+L2_BYTES = 50 * 2**20
+FEW_ROWS = [  # candidates up to 16 rows: thin column blocks, deep K slices
+    Tiling(16, 16, 256, 4, 4),
+    Tiling(16, 16, 512, 4, 3),
+    Tiling(16, 32, 256, 4, 3),
+    Tiling(16, 32, 512, 4, 3),
+    Tiling(16, 64, 256, 4, 3),
+    Tiling(16, 16, 1024, 4, 2),
+]
+MID_ROWS = [  # 17 to 128 rows
+    Tiling(16, 32, 128, 4, 3),
+    Tiling(16, 32, 256, 4, 3),
+    Tiling(32, 32, 256, 4, 3),
+    Tiling(16, 64, 256, 4, 3),
+    Tiling(32, 64, 128, 4, 3),
+    Tiling(64, 64, 128, 4, 3),
+]
+MANY_ROWS = [  # prompt chunks
+    Tiling(128, 64, 64, 8, 3),
+    Tiling(128, 128, 64, 8, 3),
+    Tiling(128, 128, 128, 8, 3),
+    Tiling(64, 128, 64, 4, 3),
+    Tiling(128, 64, 128, 8, 3),
+]
+
+
+def candidates(rows: int) -> list[Tiling]:
+    return FEW_ROWS if rows <= 16 else MID_ROWS if rows <= 128 else MANY_ROWS
+
+
+def _replay_us(work: Callable[[], object], copies: int) -> float:
+    return replay_ms(work) * 1e3 / copies
+
+
+def measure(shape: str, rows: int, ceiling_bytes_per_s: float) -> list[dict[str, object]]:
+    columns, depth = SHAPES[shape]
+    swiglu = shape == "gate_up"
+    copies = max(1, min(24, 2 * L2_BYTES // (columns * depth) + 1))
+    weights = [
+        0.02 * torch.randn(columns, depth, device="cuda", dtype=torch.bfloat16)
+        for _ in range(copies)
+    ]
+    quantized = [quantize_weight(weight) for weight in weights]
+    x = torch.randn(rows, depth, device="cuda", dtype=torch.bfloat16)
+    out_columns = columns // 2 if swiglu else columns
+    activations = 2 * rows * (depth + out_columns)
+    bf16_bytes = 2 * columns * depth + activations
+    fp8_bytes = columns * depth + 4 * columns + activations
+
+    def cublas() -> object:
+        if swiglu:
+            return [fused_ops.silu_mul(*F.linear(x, w).chunk(2, dim=-1)) for w in weights]
+        return [F.linear(x, w) for w in weights]
+
+    def fp8(tiling: Tiling | None) -> Callable[[], object]:
+        return lambda: [
+            linear(x, w8, tiling, swiglu=swiglu, scale=scale) for w8, scale in quantized
+        ]
+
+    cublas_us = _replay_us(cublas, copies)
+    base = {"shape": shape, "rows": rows, "N": columns, "K": depth, "bf16_cublas_us": cublas_us}
+    base["bf16_of_copy"] = bf16_bytes / (cublas_us * 1e-6) / ceiling_bytes_per_s
+    default = tiling_for(rows, out_columns, FP8, swiglu)
+    records = []
+    for tiling in [default, *(t for t in candidates(rows) if t != default)]:
+        us = _replay_us(fp8(tiling), copies)
+        records.append(
+            base
+            | {
+                "tiling": [tiling.block_m, tiling.block_n, tiling.block_k, tiling.num_warps,
+                           tiling.num_stages],
+                "default": tiling == default,
+                "fp8_us": us,
+                "fp8_of_copy": fp8_bytes / (us * 1e-6) / ceiling_bytes_per_s,
+                "fp8_over_bf16_cublas": us / cublas_us,
+            }
+        )  # fmt: skip
+    best = min(records, key=lambda record: float(record["fp8_us"]))  # type: ignore[arg-type]
+    return [*records, best | {"best": True}]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rows", default="1,4,8,16,32,64,128,512")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--out", type=Path, help="also append the JSON lines here")
+    args = parser.parse_args(argv)
+    ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
+    for shape in args.shapes.split(","):
+        for rows in (int(r) for r in args.rows.split(",")):
+            for record in measure(shape, rows, ceilings.copy_bytes_per_s):
+                line = json.dumps(
+                    {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
+                )
+                print(line, flush=True)
+                if args.out is not None:
+                    with args.out.open("a") as sink:
+                        sink.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""FP8 weights: a layer's projections stored as float8 e4m3 with one fp32 scale per output row.
+
+Owns: the rule that quantizes a weight (`quantize_weight`), the module that holds one
+(`Fp8Linear`), which of a model's matmuls are quantized (`quantize_model`), the torch math of an
+fp8 projection (`fp8_linear`, what the CPU and the serial reference run) and the one-matmul
+concatenation of projections (`fused_linear`). Must not: import triton (`models.ops.TritonOps`
+runs `kernels.matmul.linear` on the same rule).
+
+The rule (docs/quantization.md). Row n of W gets scale s[n] = max |W[n, :]| / 448 (1 for a row of
+zeros), and W8[n, :] = W[n, :] / s[n] rounded to the nearest e4m3 value (ties to even,
+saturating at +-448: `kv.storage.to_cache_dtype`, the fp8 KV cache's rule). A projection is
+    y[m, n] = round_to_x's_dtype( (sum over k of x[m, k] * W8[n, k], in fp32) * s[n] ),
+so activations stay in the model's dtype (weight-only quantization, like vLLM's fp8 on GPUs
+without fp8 matmuls): x times an e4m3 value is exact in fp32, every row's sum is its own (no
+activation scale shared across rows), and a row's bits can stay independent of its batch.
+Quantized: every bias-free linear of the decoder layers (vLLM's choice: not the LM head, the
+embeddings or the exit gate, which stays fp32 and reads the unquantized hidden state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopserve.kv.storage import FP8, FP8_MAX, to_cache_dtype
+
+# Modules never quantized, by their name in the model (the readout).
+UNQUANTIZED = frozenset({"lm_head"})
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float dtype) -> (W8 [N, K] float8 e4m3, s [N] fp32), W ~ W8 * s[:, None]."""
+    values = weight.float()
+    amax = values.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return to_cache_dtype(values / scale[:, None], FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x W8^T) * s, the products summed in fp32 and rounded to x's dtype once, at the end."""
+    return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free projection with an fp8 weight [N, K] and its fp32 scale per row [N].
+
+    Both are parameters (never trained), so the model's byte counts (the KV budget's weights,
+    the bandwidth floor) see their real sizes."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        if weight.dtype != FP8 or scale.shape != (weight.shape[0],):
+            raise ValueError(
+                f"Fp8Linear needs a {FP8} weight [N, K] and an fp32 scale [N], got "
+                f"{weight.dtype} {list(weight.shape)} and {list(scale.shape)}"
+            )
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.float(), requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> Fp8Linear:
+        if linear.bias is not None:
+            raise ValueError("only bias-free projections are quantized")
+        return cls(*quantize_weight(linear.weight.detach()))
+
+
+Linear = nn.Linear | Fp8Linear
+
+
+def weight_scale(layer: Linear) -> torch.Tensor | None:
+    """An fp8 projection's scale per row; None for a projection in the model's dtype."""
+    return layer.weight_scale if isinstance(layer, Fp8Linear) else None
+
+
+def fused_linear(parts: Sequence[Linear]) -> Linear:
+    """One bias-free projection whose output is the parts' outputs side by side (fp8 parts keep
+    their rows' scales, so the fused output has the parts' bits)."""
+    scales = [scale for part in parts if (scale := weight_scale(part)) is not None]
+    if scales and len(scales) != len(parts):
+        raise ValueError("cannot fuse fp8 projections with unquantized ones")
+    weight = torch.cat([part.weight for part in parts], dim=0)
+    if scales:
+        return Fp8Linear(weight, torch.cat(scales))
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
+
+
+def quantization_of(model: nn.Module) -> str:
+    """How a model's projections are stored: "fp8" when any is an `Fp8Linear`, else "none"."""
+    return "fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else "none"
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Replace every bias-free linear outside `UNQUANTIZED` by its `Fp8Linear`, in place (after
+    the weights are loaded and fused; each bf16 weight is freed as its fp8 copy is made).
+    Returns how many were quantized."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and module.bias is None
+        and name.rsplit(".", 1)[-1] not in UNQUANTIZED
+    ]
+    for name, module in targets:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attribute, Fp8Linear.quantize(module))
+    return len(targets)

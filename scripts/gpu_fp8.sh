@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# FP8 on one H200, in one call (issue 30; docs/quantization.md). PARTS picks, in this order:
+#   matmul    python -m benchmarks.fp8_matmul: Ouro-1.4B's projections, fp8 Triton vs bf16 cuBLAS,
+#             every candidate tiling ($OUT/fp8_matmul.jsonl)
+#   tests     the GPU tests of the fp8 paths: tests/kernels (fp8 KV kernels and fp8 matmuls),
+#             tests/gpu/test_quantized_gpu.py, and the structured-output GPU tests
+#             (llguidance from a carried wheel: .carry/wheels/llguidance-*.whl)
+#   weights   A B B A, bf16 vs fp8 weights (scripts/gpu_ab.sh), 512/128 fixed depth, C = 1 and 128
+#   both      A B B A, bf16 vs fp8 weights + fp8 KV, 512/128 fixed depth, C = 128
+#   kv        A B B A, bf16 vs fp8 KV, 8192/256 fixed depth, C = 8
+#   capacity  1024/512 at C = 48 with reserved KV on a small pool, bf16 vs fp8 KV: how many run
+# Run from the repository root:  OUT=$OUT PARTS="matmul tests" bash scripts/gpu_fp8.sh
+# Budget: matmul ~2 min, tests ~3, weights ~2.5, both ~1.5, kv ~3, capacity ~1.5.
+set -uo pipefail
+
+OUT="${OUT:-$PWD/fp8-out}"
+PYTHON="${PYTHON:-python3}"
+PARTS="${PARTS:-matmul tests weights both kv capacity}"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+LOG="$OUT/fp8.log"
+started=$(date +%s)
+say() { echo "== [$(($(date +%s) - started)) s] $*" | tee -a "$LOG"; }
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+ab() {  # name bench-args b-args
+  mkdir -p "$OUT/$1"
+  OUT="$OUT/$1" BENCH_ARGS="$2" B_ARGS="$3" LABELS="bf16,$1" timeout 420 bash scripts/gpu_ab.sh \
+    >/dev/null 2>&1
+  say "$1 rc=$?"
+  cat "$OUT/$1/ab.md" 2>/dev/null | tee -a "$LOG"
+}
+
+say "git ${LOOPSERVE_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+if part matmul; then
+  timeout 300 "$PYTHON" -m benchmarks.fp8_matmul --out "$OUT/fp8_matmul.jsonl" \
+    >"$OUT/fp8_matmul.log" 2>&1
+  say "matmul rc=$?"
+  grep '"best"' "$OUT/fp8_matmul.jsonl" | tee -a "$LOG"
+fi
+if part tests; then
+  wheel=$(ls .carry/wheels/llguidance-*.whl 2>/dev/null | head -1)
+  if [ -n "$wheel" ]; then
+    pip install -q --no-index --no-deps --target /tmp/pydeps "$wheel" >/dev/null 2>&1
+    export PYTHONPATH="$PYTHONPATH:/tmp/pydeps"
+  fi
+  timeout 300 "$PYTHON" -m pytest -q -m gpu tests/kernels tests/gpu/test_quantized_gpu.py \
+    tests/gpu/test_structured_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
+  say "gpu tests rc=$? ($(tail -1 "$OUT/tests.log"))"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$LOG"
+fi
+FIXED="--exits fixed --scheduling refill --graphs on --trials 1"
+if part weights; then ab weights "--workload 512/128 --concurrency 1,128 $FIXED" "--quantization fp8"; fi
+if part both; then
+  ab both "--workload 512/128 --concurrency 128 $FIXED" "--quantization fp8 --kv-cache-dtype fp8"
+fi
+if part kv; then ab kv "--workload 8192/256 --concurrency 8 $FIXED" "--kv-cache-dtype fp8"; fi
+if part capacity; then
+  for dtype in auto fp8; do
+    timeout 200 "$PYTHON" -m loopserve.entrypoints.cli bench offline --workload 1024/512 \
+      --concurrency 48 --kv-allocation reserve $FIXED --warmup-output-len 8 \
+      --gpu-memory-utilization 0.26 --max-model-len 2048 --kv-cache-dtype $dtype --device cuda \
+      --output "$OUT/capacity-$dtype.jsonl" --summary "$OUT/capacity-$dtype.md" \
+      >"$OUT/capacity-$dtype.log" 2>&1
+    say "capacity $dtype rc=$?"
+    grep "1024/512" "$OUT/capacity-$dtype.md" | tee -a "$LOG"
+  done
+fi
+say "done"

@@ -1,0 +1,110 @@
+"""`kernels.matmul.linear` with fp8 weights (`models.quant`): the fp32 sums of x times the e4m3
+values, scaled per row, rounded to x's dtype once; SiLU·up and row masks on top; and on the GPU a
+row's bits the same at every row count and tiling, at Ouro-1.4B's shapes too (what keeps the
+engine equal to the serial reference with `quantization="fp8"`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve.kernels.fused_ops import silu_mul
+from loopserve.kernels.matmul import Tiling, linear, tiling_for
+from loopserve.kv.storage import FP8
+from loopserve.models.quant import fp8_linear, quantize_weight
+from tests.kernels.conftest import ON_GPU
+from tests.kernels.test_matmul import ROW_COUNTS, TILINGS, _data
+
+
+def _fp8_operands(
+    rows: int, depth: int, columns: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, weight = _data(rows, depth, columns, dtype, device)
+    return (x, *quantize_weight(weight))
+
+
+def _exact(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ weight.double().t()) * scale.double()
+
+
+@pytest.mark.parametrize("depth", [300, 512])  # a K tail in every tiling; none
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_values_are_scaled_sums(device: torch.device, dtype: torch.dtype, depth: int) -> None:
+    x, weight, scale = _fp8_operands(5, depth, 40, dtype, device)  # an N tail too
+    got = linear(x, weight, scale=scale)
+    assert got.dtype == dtype and got.shape == (5, 40)
+    tolerance = (
+        {"rtol": 1e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    )
+    torch.testing.assert_close(got.double(), _exact(x, weight, scale), **tolerance)
+    torch.testing.assert_close(got, fp8_linear(x, weight, scale), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_scales_each_half_by_its_rows(device: torch.device, dtype: torch.dtype) -> None:
+    """The gate half by the gate rows' scales and the up half by the up rows' (scales that differ
+    by row, so a mix-up shows), each rounded to x's dtype before `silu_mul`."""
+    x, weight, scale = _fp8_operands(19, 300, 2 * 24, dtype, device)
+    scale = scale * torch.linspace(0.5, 2.0, scale.numel(), device=device)
+    tiling = Tiling(16, 32, 128, 4, 3)
+    gate, up = linear(x, weight, tiling, scale=scale).chunk(2, dim=-1)
+    got = linear(x, weight, tiling, swiglu=True, scale=scale)
+    expected = silu_mul(gate.contiguous(), up.contiguous())
+    if ON_GPU or dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:  # the interpreter's numpy rounds a column by its place in the block
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_wanted_keeps_their_values_and_zeroes_the_rest(device: torch.device) -> None:
+    x, weight, scale = _fp8_operands(17, 96, 40, torch.bfloat16, device)
+    wanted = torch.zeros(17, dtype=torch.bool, device=device)
+    wanted[[0, 5, 15]] = True
+    tiling = Tiling(16, 16, 32, 4, 2)
+    every = linear(x, weight, tiling, scale=scale)
+    some = linear(x, weight, tiling, rows_wanted=wanted, scale=scale, out_dtype=torch.float32)
+    assert torch.equal(some[wanted], every[wanted].float()) and not some[~wanted].any()
+
+
+def test_refuses_a_missing_or_misshapen_scale(device: torch.device) -> None:
+    x, weight, scale = _fp8_operands(2, 64, 16, torch.bfloat16, device)
+    with pytest.raises(ValueError, match=r"needs an fp32 \[16\] scale"):
+        linear(x, weight)
+    with pytest.raises(ValueError, match=r"needs an fp32 \[16\] scale"):
+        linear(x, weight, scale=scale[:8])
+    with pytest.raises(ValueError, match=r"needs an fp32 \[16\] scale"):
+        linear(x, weight, scale=scale.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="needs no scale"):
+        linear(x, weight.to(torch.bfloat16), scale=scale)
+
+
+@pytest.mark.gpu
+def test_rows_have_their_alone_bits_at_every_row_count_and_tiling(device: torch.device) -> None:
+    x, weight, scale = _fp8_operands(ROW_COUNTS[-1], 600, 80, torch.bfloat16, device)
+    alone = {row: linear(x[row : row + 1], weight, scale=scale)[0] for row in (0, 15, 16, 64, 299)}
+    for rows in ROW_COUNTS:
+        out = linear(x[:rows], weight, scale=scale)
+        for row, bits in alone.items():
+            if row < rows:
+                assert torch.equal(out[row], bits), f"row {row} of {rows}"
+    every = [linear(x[:70], weight, tiling, scale=scale) for tiling in TILINGS]
+    for tiling, result in zip(TILINGS[1:], every[1:], strict=True):
+        assert torch.equal(result, every[0]), tiling
+
+
+@pytest.mark.gpu
+def test_ouro_projections_on_the_gpu(device: torch.device) -> None:
+    """Ouro-1.4B's qkv, o, gate/up and down projections at fp8, up to a 512-token chunk: every
+    sampled row has its alone bits, and the values are the exact scaled sums to bf16 rounding."""
+    for columns, depth in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
+        x, weight, scale = _fp8_operands(512, depth, columns, torch.bfloat16, device)
+        assert weight.dtype == FP8
+        alone = {row: linear(x[row : row + 1], weight, scale=scale)[0] for row in (0, 17, 511)}
+        for rows in (1, 2, 8, 16, 17, 64, 128, 129, 512):
+            out = linear(x[:rows], weight, scale=scale)
+            for row, bits in alone.items():
+                if row < rows:
+                    tile = tiling_for(rows, columns, FP8)
+                    assert torch.equal(out[row], bits), (columns, depth, rows, row, tile)
+        exact = _exact(x, weight, scale)
+        torch.testing.assert_close(out.double(), exact, rtol=1e-2, atol=1e-2)
