@@ -100,9 +100,11 @@ def fused_linear(parts: Sequence[Linear]) -> Linear:
     return fused
 
 
-def quantization_of(model: nn.Module) -> str:
-    """How a model's projections are stored: "fp8" when any is an `Fp8Linear`, else "none"."""
-    return "fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else "none"
+def quantization_of(model: object) -> str:
+    """How a model's projections are stored: "fp8" when any is an `Fp8Linear`, else "none" (a
+    model that is no torch module, a test's fake, has none)."""
+    modules = model.modules() if isinstance(model, nn.Module) else ()
+    return "fp8" if any(isinstance(module, Fp8Linear) for module in modules) else "none"
 
 
 def quantize_model(model: nn.Module) -> int:
