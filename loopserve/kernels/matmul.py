@@ -143,8 +143,8 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
     the matmuls")."""
     if dtype == torch.float32:  # the engine's exactness runs; fp32 dots have no fast path
         return Tiling(16 if rows <= 16 else 32, 32, 32, 4, 2)
-    if dtype == torch.float8_e4m3fn:  # fp8 weights: `benchmarks.fp8_matmul`'s best on the H200
-        return _fp8_tiling(rows, columns)
+    if dtype == torch.float8_e4m3fn:
+        return FP8_TILING
     if columns >= WIDE:
         if rows <= 16:
             return Tiling(16, 32, 256, 4, 3)
@@ -156,17 +156,12 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
     return Tiling(128, 64, 64, 8, 3)
 
 
-def _fp8_tiling(rows: int, columns: int) -> Tiling:
-    """Among the best candidates of `benchmarks.fp8_matmul` at Ouro-1.4B's four projections on
-    the H200 (docs/quantization.md, "Speed"): the best or within 5 % of it at every row count
-    measured, except 4 to 16 rows of o and down (16 x 16 x 256 and 16 x 32 x 512 blocks are up to
-    9 % faster there and slower elsewhere) and 512 rows of o and down (8 and 12 %)."""
-    wide = columns >= 4096  # qkv, gate/up
-    if rows <= 32 or (rows <= 64 and not wide):
-        return Tiling(16, 32, 256, 4, 3)
-    if rows <= 128:
-        return Tiling(64 if wide and rows > 64 else 32, 64, 128, 4, 3)
-    return Tiling(128, 64, 64, 8, 3)
+# fp8 weights: one tiling at every row count. On the H200 an fp8 row's bits changed with the
+# tiling (Ouro-1.4B's qkv, 128 rows under 64 x 64 x 128 against one row under 16 x 32 x 256), so
+# unlike bf16 the tiling may not follow the row count. This one is the best or within 5 % of the
+# best of `benchmarks.fp8_matmul`'s candidates at 1 to 32 rows of all four projections (decode,
+# where reading half the bytes counts); at 64 rows it is 1.0-1.25x the best, more rows unmeasured.
+FP8_TILING = Tiling(16, 32, 256, 4, 3)
 
 
 def linear(

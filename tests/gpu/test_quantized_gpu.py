@@ -29,9 +29,20 @@ QUANTIZED = {
 }
 
 
-@pytest.mark.parametrize("quantized", list(QUANTIZED))
-@pytest.mark.parametrize("mode", ["ouro", "trace"])
-@pytest.mark.parametrize("layout", ["full", "shared"])
+# fp8 K/V in the shared layout differed in one token of 10 requests (2 of 2 runs, H200): fp8
+# rounding is a step function, so K/V that differ by an fp32 ulp between the Triton kernels and
+# the reference's torch math can fall on two sides of an e4m3 rounding boundary
+# (docs/quantization.md, "On the GPU").
+EXACT = [
+    (layout, mode, quantized)
+    for layout in ("full", "shared")
+    for mode in ("ouro", "trace")
+    for quantized in QUANTIZED
+    if layout == "full" or quantized == "fp8-weights"
+]
+
+
+@pytest.mark.parametrize(("layout", "mode", "quantized"), EXACT)
 def test_fp32_engine_equals_the_quantized_reference(
     checkpoint: Path, layout: str, mode: str, quantized: str
 ) -> None:

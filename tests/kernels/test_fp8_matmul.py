@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopserve.kernels.fused_ops import silu_mul
-from loopserve.kernels.matmul import Tiling, linear, tiling_for
+from loopserve.kernels.matmul import FP8_TILING, Tiling, linear, tiling_for
 from loopserve.kv.storage import FP8
 from loopserve.models.quant import fp8_linear, quantize_weight
 from tests.kernels.conftest import ON_GPU
@@ -94,17 +94,17 @@ def test_rows_have_their_alone_bits_at_every_row_count_and_tiling(device: torch.
 
 @pytest.mark.gpu
 def test_ouro_projections_on_the_gpu(device: torch.device) -> None:
-    """Ouro-1.4B's qkv, o, gate/up and down projections at fp8, up to a 512-token chunk: every
-    sampled row has its alone bits, and the values are the exact scaled sums to bf16 rounding."""
+    """Ouro-1.4B's qkv, o, gate/up and down projections at fp8, up to a 512-token chunk, under the
+    one fp8 tiling: every sampled row has its alone bits, and the values are the exact scaled sums
+    to bf16 rounding."""
     for columns, depth in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
         x, weight, scale = _fp8_operands(512, depth, columns, torch.bfloat16, device)
-        assert weight.dtype == FP8
+        assert weight.dtype == FP8 and tiling_for(1, columns, FP8) == FP8_TILING
         alone = {row: linear(x[row : row + 1], weight, scale=scale)[0] for row in (0, 17, 511)}
         for rows in (1, 2, 8, 16, 17, 64, 128, 129, 512):
             out = linear(x[:rows], weight, scale=scale)
             for row, bits in alone.items():
                 if row < rows:
-                    tile = tiling_for(rows, columns, FP8)
-                    assert torch.equal(out[row], bits), (columns, depth, rows, row, tile)
+                    assert torch.equal(out[row], bits), (columns, depth, rows, row)
         exact = _exact(x, weight, scale)
         torch.testing.assert_close(out.double(), exact, rtol=1e-2, atol=1e-2)
