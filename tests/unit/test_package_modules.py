@@ -66,7 +66,7 @@ MODULES: dict[str, set[str]] = {
     "models": {
         "__init__", "builtin", "checkpoint_writer", "families", "generation_config", "huginn",
         "huginn_config", "layers",
-        "loader", "looped", "model_config", "nanbeige", "nanbeige_config", "ops", "ouro",
+        "loader", "looped", "model_config", "nanbeige", "nanbeige_config", "ops", "ouro", "quant",
         "ouro_config", "window_attention",
     },
     "ray": {
