@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
+from loopserve.kv.storage import to_cache_dtype
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.models.window_attention import causal_attention
@@ -52,10 +53,14 @@ class WindowScores:
 
 
 class _FrozenKVAttention:
-    """Causal attention in which positions that exited keep the K/V of their exit loop."""
+    """Causal attention in which positions that exited keep the K/V of their exit loop (rounded as
+    a cache of `kv_dtype` stores them, when given: an fp8 cache)."""
 
-    def __init__(self, batch: int, seq_len: int, num_layers: int) -> None:
+    def __init__(
+        self, batch: int, seq_len: int, num_layers: int, kv_dtype: torch.dtype | None = None
+    ) -> None:
         self.batch, self.seq_len = batch, seq_len
+        self.kv_dtype = kv_dtype
         self._attend = causal_attention(batch, seq_len)
         self.running = torch.ones(batch * seq_len, dtype=torch.bool)  # [T]
         # The latest K/V version of every position, per layer: [T, Nkv, D].
@@ -75,6 +80,8 @@ class _FrozenKVAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        if self.kv_dtype is not None:
+            k, v = (to_cache_dtype(x, self.kv_dtype).to(x.dtype) for x in (k, v))
         k = self._latest(self._keys, layer, k)
         v = self._latest(self._values, layer, v)
         return self._attend(layer, q, k, v)
@@ -94,9 +101,13 @@ def _exits_after_loop(
 
 @torch.no_grad()
 def score_windows(
-    model: LoopedForCausalLM, windows: torch.Tensor, settings: ExitSettings
+    model: LoopedForCausalLM,
+    windows: torch.Tensor,
+    settings: ExitSettings,
+    kv_dtype: torch.dtype | None = None,
 ) -> WindowScores:
-    """Teacher-forced log-probabilities and exit depths for windows [B, S] (see module doc)."""
+    """Teacher-forced log-probabilities and exit depths for windows [B, S] (see module doc);
+    `kv_dtype`: the block's K/V rounded as a cache of that dtype keeps them (fp8)."""
     if settings.max_loops > model.config.num_loops:
         raise ValueError(
             f"max_loops {settings.max_loops} exceeds the model's {model.config.num_loops} loops"
@@ -109,7 +120,7 @@ def score_windows(
         )
     batch, seq_len = windows.shape
     device = windows.device
-    attention = _FrozenKVAttention(batch, seq_len, model.config.num_hidden_layers)
+    attention = _FrozenKVAttention(batch, seq_len, model.config.num_hidden_layers, kv_dtype)
     attention.running = attention.running.to(device)
     positions = torch.arange(seq_len, device=device).repeat(batch)  # [T]
     is_prompt = positions == 0

@@ -74,13 +74,18 @@ def _label(settings: ExitSettings) -> str:
 
 
 def evaluate_setting(
-    model: LoopedForCausalLM, windows: torch.Tensor, settings: ExitSettings, batch_size: int
+    model: LoopedForCausalLM,
+    windows: torch.Tensor,
+    settings: ExitSettings,
+    batch_size: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> CurvePoint:
-    """Score every window [W, S] under `settings` and aggregate."""
+    """Score every window [W, S] under `settings` (K/V rounded to `kv_dtype` if given) and
+    aggregate."""
     total_nll = 0.0
     histogram = torch.zeros(settings.max_loops + 1, dtype=torch.int64)
     for start in range(0, windows.shape[0], batch_size):
-        scores = score_windows(model, windows[start : start + batch_size], settings)
+        scores = score_windows(model, windows[start : start + batch_size], settings, kv_dtype)
         total_nll -= scores.logprobs.double().sum().item()
         histogram += torch.bincount(
             scores.exit_depths.reshape(-1).cpu(), minlength=histogram.numel()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
+from loopserve.kv.storage import FP8
 from loopserve.models.checkpoint_writer import RandomInit, random_state_dict
 from loopserve.models.families import preset_config
 from loopserve.models.ouro import OuroForCausalLM
@@ -49,12 +50,19 @@ def test_dense_equals_obviously_serial(
         torch.testing.assert_close(scores.logprobs[row], torch.tensor(logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=str)
 def test_dense_equals_the_serial_reference(
-    model: OuroForCausalLM, windows: torch.Tensor, settings: ExitSettings
+    model: OuroForCausalLM, windows: torch.Tensor, settings: ExitSettings, kv_cache_dtype: str
 ) -> None:
-    scores = score_windows(model, windows, settings)
-    reference = SerialReference(model, kv_layout="full", exit_mode="ouro")
+    """Also with K/V kept as an fp8 cache keeps them (`eval perplexity --kv-cache-dtype fp8`)."""
+    kv_dtype = FP8 if kv_cache_dtype == "fp8" else None
+    scores = score_windows(model, windows, settings, kv_dtype)
+    if kv_dtype is not None:  # fp8 K/V change the scores, so the equality below tests them
+        assert not torch.equal(scores.logprobs, score_windows(model, windows, settings).logprobs)
+    reference = SerialReference(
+        model, kv_layout="full", exit_mode="ouro", kv_cache_dtype=kv_cache_dtype
+    )
     for row in range(windows.shape[0]):
         tokens = windows[row].tolist()
         params = ResolvedParams(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loopserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from loopserve.entrypoints.cli.engine_args import add_engine_arguments, engine_options
 
 if TYPE_CHECKING:
@@ -58,6 +59,18 @@ def _add_perplexity(commands: argparse._SubParsersAction) -> None:
         "--device", default="auto", help="auto (the GPU when torch sees one, else cpu), cpu, cuda:N"
     )
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="fp8: the block's K/V rounded as an fp8 cache stores them (docs/quantization.md)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="fp8: the layers' projections quantized as the engine's quantization=fp8 does",
+    )
     parser.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
     parser.add_argument(
         "--held-out-fraction", type=float, default=None, help="default: as trained, else 0.05"
@@ -137,8 +150,10 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         held_out_windows,
         markdown_table,
     )
+    from loopserve.kv.storage import FP8
     from loopserve.models.builtin import resolve_model_dir
     from loopserve.models.loader import load_checkpoint, resolve_dtype
+    from loopserve.models.quant import quantize_model
     from loopserve.runner.setup import resolve_device
     from loopserve.tokenizer import Tokenizer
 
@@ -160,6 +175,10 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         )
     device = resolve_device(args.device)
     model = load_checkpoint(model_dir, resolve_dtype(args.dtype), device)
+    if args.quantization == "fp8":
+        model.fuse_projections()
+        quantize_model(model)
+    kv_dtype = FP8 if args.kv_cache_dtype == "fp8" else None
     separator = model.config.bos_token_id
     windows = held_out_windows(
         tokenizer,
@@ -186,13 +205,15 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     )
     points = []
     for setting in settings:
-        points.append(evaluate_setting(model, windows, setting, args.batch_size))
+        points.append(evaluate_setting(model, windows, setting, args.batch_size, kv_dtype))
         _print_point(points[-1])
     report = {
         "model": str(model_dir),
         "windows": list(windows.shape),
         "device": str(device),
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "points": [_as_dict(point) for point in points],
     }
     print(markdown_table(points))
