@@ -18,14 +18,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loopserve.kv.storage import FP8, FP8_MAX, to_cache_dtype
 from loopserve.models.loader import (
     EMBEDDING_TENSORS,
     INDEX_FILE,
+    SCALE_SUFFIX,
     SINGLE_FILE,
     expected_tensors,
+    fp8_weights,
     is_norm_weight,
 )
 from loopserve.models.model_config import LoopedConfig
+from loopserve.models.quant import quantize_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +80,16 @@ def write_checkpoint(
     max_shard_bytes: int | None = None,
 ) -> Path:
     """Write config, generation config and weights; shard above max_shard_bytes. config.json's
-    `torch_dtype` is the tensors' dtype (they must share one)."""
+    `torch_dtype` is the tensors' dtype (they must share one); fp8 tensors (`fp8_state_dict`)
+    make it an fp8 checkpoint with its `quantization_config`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = replace(config, weights_dtype=_common_dtype(tensors))
+    fp8 = any(tensor.dtype == FP8 for tensor in tensors.values())
+    config = replace(
+        config,
+        weights_dtype=_common_dtype(tensors),
+        checkpoint_quantization="fp8" if fp8 else None,
+    )
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -107,8 +117,34 @@ def write_checkpoint(
     return directory
 
 
+def fp8_state_dict(
+    config: LoopedConfig, tensors: dict[str, torch.Tensor], per_tensor: bool = False
+) -> dict[str, torch.Tensor]:
+    """`tensors` as an fp8 checkpoint of `config` stores them: each projection as e4m3 beside
+    its fp32 `weight_scale`, per output channel ([N]) or, with `per_tensor`, one ([]), as vLLM's
+    fp8 checkpoints carry them; the other tensors unchanged."""
+    quantized = dict(tensors)
+    for name in fp8_weights(replace(config, checkpoint_quantization="fp8")):
+        weight = tensors[name].float()
+        if per_tensor:
+            amax = weight.abs().max()
+            scale = amax / FP8_MAX if amax > 0 else torch.ones(())
+            quantized[name] = to_cache_dtype(weight / scale, FP8)
+        else:
+            quantized[name], scale = quantize_weight(weight)
+        quantized[name + SCALE_SUFFIX] = scale.contiguous()
+    return quantized
+
+
 def _common_dtype(tensors: dict[str, torch.Tensor]) -> str:
-    dtypes = sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors.values()})
+    """The dtype the tensors share, fp8 weights and their scales apart."""
+    dtypes = sorted(
+        {
+            str(tensor.dtype).removeprefix("torch.")
+            for name, tensor in tensors.items()
+            if tensor.dtype != FP8 and not name.endswith(SCALE_SUFFIX)
+        }
+    )
     if len(dtypes) != 1:
         raise ValueError(f"the tensors of one checkpoint must share a dtype, got {dtypes}")
     return dtypes[0]

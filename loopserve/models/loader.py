@@ -25,10 +25,13 @@ from loopserve.models.nanbeige import NanbeigeForCausalLM
 from loopserve.models.nanbeige_config import NanbeigeConfig
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.models.ouro_config import OuroConfig
+from loopserve.models.quant import prepare_fp8_checkpoint, quantized_linears
 
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+FP8_DTYPE = "F8_E4M3"  # the projections of an fp8 checkpoint (`checkpoint_quantization`)
+SCALE_SUFFIX = "_scale"  # X.weight_scale: the fp32 scale of fp8 weight X.weight
 # The safetensors dtype of each `torch_dtype` a config.json may declare.
 DECLARED_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DTYPES = {
@@ -96,6 +99,16 @@ def expected_tensors(config: LoopedConfig) -> dict[str, tuple[int, ...]]:
     return {name: shapes[name] for name in sorted(shapes, key=group)}
 
 
+def fp8_weights(config: LoopedConfig) -> dict[str, int]:
+    """An fp8 checkpoint's e4m3 tensors, each with its output rows N (its `weight_scale` holds
+    one value or N); empty for an unquantized checkpoint."""
+    if config.checkpoint_quantization != "fp8":
+        return {}
+    with torch.device("meta"):
+        model = build_model(config)
+    return {f"{name}.weight": m.weight.shape[0] for name, m in quantized_linears(model).items()}
+
+
 def checkpoint_files(directory: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it."""
     index_path = directory / INDEX_FILE
@@ -123,11 +136,13 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
 def validate_checkpoint(config: LoopedConfig, files: dict[str, Path]) -> None:
     """Check names, shapes and dtypes from the file headers only; raise on the first mismatch."""
     expected = expected_tensors(config)
-    missing = sorted(set(expected) - set(files))
+    fp8 = fp8_weights(config)
+    scales = {name + SCALE_SUFFIX: rows for name, rows in fp8.items()}
+    missing = sorted((set(expected) | set(scales)) - set(files))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-    unexpected = sorted(set(files) - set(expected))
+    unexpected = sorted(set(files) - set(expected) - set(scales))
     if config.tie_word_embeddings and unexpected == ["lm_head.weight"]:
         unexpected = []
     if unexpected:
@@ -138,17 +153,37 @@ def validate_checkpoint(config: LoopedConfig, files: dict[str, Path]) -> None:
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
+    for name in scales:
+        by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as handle:
             for name in names:
                 view = handle.get_slice(name)
-                shape = tuple(view.get_shape())
+                shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                if name in scales:
+                    _check_scale(name, path, shape, dtype, scales[name])
+                    continue
                 if shape != expected[name]:
                     raise CheckpointError(
                         f"tensor {name} in {path.name} has shape {list(shape)}, but the config "
                         f"implies {list(expected[name])}"
                     )
-                _check_dtype(config, name, path, view.get_dtype())
+                if name in fp8:
+                    if dtype != FP8_DTYPE:
+                        raise CheckpointError(
+                            f"tensor {name} in {path.name} is {dtype}, but the config's fp8 "
+                            f"quantization_config stores the layers' projections as {FP8_DTYPE}"
+                        )
+                    continue
+                _check_dtype(config, name, path, dtype)
+
+
+def _check_scale(name: str, path: Path, shape: tuple[int, ...], dtype: str, rows: int) -> None:
+    if shape not in ((), (1,), (rows,), (rows, 1)) or dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"tensor {name} in {path.name} is {dtype} {list(shape)}; an fp8 weight's scale must "
+            f"be a float of shape [], [1], [{rows}] or [{rows}, 1] (per tensor or per channel)"
+        )
 
 
 def _check_dtype(config: LoopedConfig, name: str, path: Path, dtype: str) -> None:
@@ -187,16 +222,24 @@ def load_checkpoint(
     validate_checkpoint(config, files)
     device = torch.device(device)
     model = _empty_model(config, dtype, device)
+    fp8 = fp8_weights(config)
+    if fp8:
+        prepare_fp8_checkpoint(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[str]] = {}
-    for name in expected_tensors(config):
+    for name in [*expected_tensors(config), *(name + SCALE_SUFFIX for name in fp8)]:
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
         # Tensors are read straight into device memory, one at a time, then cast there.
         with safe_open(path, framework="pt", device=str(device)) as handle:
             for name in names:
-                tensor = model.load_transform(name, handle.get_tensor(name))
-                params[name].copy_(tensor.to(dtype))
+                tensor = handle.get_tensor(name)
+                if name in fp8:  # e4m3 as stored
+                    params[name].copy_(tensor)
+                elif name.removesuffix(SCALE_SUFFIX) in fp8:  # one scale a row
+                    params[name].copy_(tensor.float().reshape(-1).expand(params[name].shape))
+                else:
+                    params[name].copy_(model.load_transform(name, tensor).to(dtype))
     logger.info("loaded %s (%d tensors, %s)", directory, len(params), dtype)
     return model
 

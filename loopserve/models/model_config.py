@@ -121,6 +121,9 @@ class LoopedConfig:
     eos_token_ids: tuple[int, ...] = field(default=(0,))
     # The dtype the checkpoint declares for its weights (HF `torch_dtype`); None: not declared.
     weights_dtype: str | None = "bfloat16"
+    # "fp8": the checkpoint stores its layers' projections as float8 e4m3 with `weight_scale`
+    # tensors (`quantization_config`, `checkpoint_quantization`); None: unquantized.
+    checkpoint_quantization: str | None = None
 
     def __post_init__(self) -> None:
         validate_common(self)
@@ -207,6 +210,7 @@ def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "bos_token_id": raw.get("bos_token_id"),
         "eos_token_ids": tuple(int(token) for token in eos_ids),
         "weights_dtype": weights_dtype(raw),
+        "checkpoint_quantization": checkpoint_quantization(raw),
     }
 
 
@@ -230,6 +234,11 @@ def common_hf_fields(config: LoopedConfig) -> dict[str, Any]:
         "bos_token_id": config.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
         **({} if config.weights_dtype is None else {"torch_dtype": config.weights_dtype}),
+        **(
+            {}
+            if config.checkpoint_quantization is None
+            else {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+        ),
     }
 
 
@@ -239,11 +248,12 @@ def check_fields(
     architecture: str,
     known: frozenset[str],
     fixed: dict[str, tuple[Any, ...]],
+    loads_fp8: bool = False,
 ) -> None:
     """Refuse a config.json that is not this family's, asks for values loopserve does not
     implement (`fixed` and `COMMON_FIXED_FIELDS`: field -> the accepted values, the first one the
-    implemented one), is quantized, or has a field outside `known` | `fixed` | the common and
-    ignored ones."""
+    implemented one), is quantized (other than as `checkpoint_quantization` reads, in a family
+    that `loads_fp8`), or has a field outside `known` | `fixed` | the common and ignored ones."""
     fixed = COMMON_FIXED_FIELDS | fixed
     if raw.get("model_type") != model_type:
         raise ConfigError(f"model_type is {raw.get('model_type')!r}, not {model_type!r}")
@@ -256,13 +266,10 @@ def check_fields(
                 f"config field '{name}' = {raw[name]!r} is not supported "
                 f"(loopserve implements {accepted[0]!r} only)"
             )
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ConfigError(
-            f"quantized checkpoints are not supported yet (quantization_config, quant_method "
-            f"{method!r}); use the unquantized checkpoint (BF16 weights)"
-        )
+    if loads_fp8:
+        checkpoint_quantization(raw)
+    elif raw.get("quantization_config") is not None:
+        raise _quantized(raw["quantization_config"], "")
     unknown = sorted(set(raw) - (IGNORED_FIELDS | COMMON_FIELDS | known | fixed.keys()))
     if unknown:
         raise ConfigError(
@@ -311,6 +318,42 @@ def rope_theta(raw: dict[str, Any]) -> float:
             )
         theta = theta if nested is None else nested
     return float(theta if theta is not None else 10000.0)
+
+
+# The `quantization_config` fields of an fp8 checkpoint (vLLM's and llm-compressor's "fp8"
+# format: e4m3 weights, a `weight_scale` per tensor or per output channel, dynamic activations).
+FP8_CHECKPOINT_FIELDS = frozenset({"quant_method", "activation_scheme", "fmt", "ignored_layers"})
+
+
+def checkpoint_quantization(raw: dict[str, Any]) -> str | None:
+    """ "fp8" for an fp8 checkpoint loopserve loads, None for an unquantized one; refuses others."""
+    quantization = raw.get("quantization_config")
+    if quantization is None:
+        return None
+    fp8 = (
+        isinstance(quantization, dict)
+        and quantization.get("quant_method") == "fp8"
+        and set(quantization) <= FP8_CHECKPOINT_FIELDS
+        and quantization.get("activation_scheme", "dynamic") == "dynamic"
+        and quantization.get("fmt", "e4m3") == "e4m3"
+        and set(quantization.get("ignored_layers") or []) <= {"lm_head"}
+    )
+    if not fp8:
+        raise _quantized(
+            quantization,
+            "; fp8 checkpoints load with quant_method 'fp8', activation_scheme 'dynamic', e4m3 "
+            "weights and one weight_scale per tensor or per output channel (no "
+            "weight_block_size, input scales or ignored layers but lm_head)",
+        )
+    return "fp8"
+
+
+def _quantized(quantization: Any, detail: str) -> ConfigError:
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    return ConfigError(
+        f"quantized checkpoints are not supported yet (quantization_config, quant_method "
+        f"{method!r}){detail}; use the unquantized checkpoint (BF16 weights)"
+    )
 
 
 def weights_dtype(raw: dict[str, Any]) -> str | None:

@@ -85,7 +85,9 @@ class NanbeigeConfig(LoopedConfig):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NanbeigeConfig:
-        check_fields(raw, "nanbeige", "NanbeigeForCausalLM", _NANBEIGE_FIELDS, _FIXED_FIELDS)
+        check_fields(
+            raw, "nanbeige", "NanbeigeForCausalLM", _NANBEIGE_FIELDS, _FIXED_FIELDS, loads_fp8=True
+        )
         enabled = [name for name in UNSUPPORTED_OPTIONS if raw.get(name)]
         if enabled:
             described = "; ".join(f"{name} ({UNSUPPORTED_OPTIONS[name]})" for name in enabled)

@@ -43,7 +43,7 @@ class OuroConfig(LoopedConfig):
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:
         """Parse an HF config dict, rejecting anything that would change the math we implement."""
-        check_fields(raw, "ouro", "OuroForCausalLM", _OURO_FIELDS, _FIXED_FIELDS)
+        check_fields(raw, "ouro", "OuroForCausalLM", _OURO_FIELDS, _FIXED_FIELDS, loads_fp8=True)
         layer_types = raw.get("layer_types")
         if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
             raise ConfigError(

@@ -107,19 +107,38 @@ def quantization_of(model: object) -> str:
     return "fp8" if any(isinstance(module, Fp8Linear) for module in modules) else "none"
 
 
-def quantize_model(model: nn.Module) -> int:
-    """Replace every bias-free linear outside `UNQUANTIZED` by its `Fp8Linear`, in place (after
-    the weights are loaded and fused; each bf16 weight is freed as its fp8 copy is made).
-    Returns how many were quantized."""
-    targets = [
-        (name, module)
+def quantized_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The projections fp8 quantizes, by module name: every bias-free linear outside
+    `UNQUANTIZED` (an fp8 checkpoint stores exactly these as e4m3 with a `weight_scale`)."""
+    return {
+        name: module
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear)
         and module.bias is None
         and name.rsplit(".", 1)[-1] not in UNQUANTIZED
-    ]
-    for name, module in targets:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attribute, Fp8Linear.quantize(module))
+    }
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attribute, module)
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Replace every projection of `quantized_linears` by its `Fp8Linear`, in place (after the
+    weights are loaded and fused; each bf16 weight is freed as its fp8 copy is made). Returns how
+    many were quantized."""
+    targets = quantized_linears(model)
+    for name, module in targets.items():
+        _replace(model, name, Fp8Linear.quantize(module))
     return len(targets)
+
+
+def prepare_fp8_checkpoint(model: nn.Module) -> None:
+    """Before an fp8 checkpoint loads: every projection of `quantized_linears` becomes an
+    `Fp8Linear` with room for the checkpoint's e4m3 weight and scale (contents unset)."""
+    for name, module in quantized_linears(model).items():
+        rows, depth = module.weight.shape
+        device = module.weight.device
+        weight = torch.empty(rows, depth, dtype=FP8, device=device)
+        _replace(model, name, Fp8Linear(weight, torch.ones(rows, device=device)))
