@@ -1,6 +1,7 @@
 """Batch-invariant matmuls: row bits that never depend on how many rows share the call.
 
-Owns: `linear` (x [M, K] times W [N, K] transposed, rounded to W's dtype; optionally only the
+Owns: `linear` (x [M, K] times W [N, K] transposed, rounded to x's dtype; W in x's dtype, or fp8
+e4m3 with a scale per row that multiplies the fp32 sums (`models.quant`); optionally only the
 rows a mask asks for; optionally SiLU·up of a fused gate/up projection's halves as the epilogue),
 `gate_logit` (the exit gate's fp32 h·w + b, optionally its sigmoid, one program per row) and the
 tiling each row count gets. Must not: split K, or
