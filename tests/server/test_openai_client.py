@@ -214,6 +214,12 @@ def test_models_endpoint(client: Any) -> None:
     assert [model.id for model in models] == ["tiny"]
     assert models[0].max_model_len == 256
     assert models[0].num_loops == 4
+    # what the engine runs: the server fixture's defaults on the CPU (fp32, unquantized)
+    assert (models[0].dtype, models[0].kv_cache_dtype, models[0].quantization) == (
+        "float32",
+        "float32",
+        "none",
+    )
 
 
 def test_chat_template_is_the_checkpoints(tiny_model: Path) -> None:

@@ -146,6 +146,9 @@ def _add_routes(app: FastAPI, context: ServingContext) -> None:
                 root=context.model.root,
                 max_model_len=context.model.max_model_len,
                 num_loops=context.model.num_loops,
+                dtype=context.model.dtype,
+                kv_cache_dtype=context.model.kv_cache_dtype,
+                quantization=context.model.quantization,
             )
             for name in context.config.served_model_names
         ]

@@ -35,6 +35,9 @@ class ModelInfo:
     tokenizer: Tokenizer | None  # None: prompts must be token ids and outputs have no text
     max_model_len: int
     num_loops: int
+    dtype: str  # what the engine runs in, stores K/V as, and stores the layers' weights as
+    kv_cache_dtype: str
+    quantization: str
     vocab_size: int  # token ids are in [0, vocab_size)
     eos_token_ids: frozenset[int]  # a request that does not ignore EOS stops on these
     max_stop_token_ids: int  # end-of-sequence plus stop token ids one request may have
@@ -48,6 +51,9 @@ class ModelInfo:
             tokenizer=engine.tokenizer,
             max_model_len=engine.max_model_len,
             num_loops=engine.model_config.num_loops,
+            dtype=engine.info.dtype,
+            kv_cache_dtype=engine.info.kv_cache_dtype or engine.info.dtype,
+            quantization=engine.info.quantization,
             vocab_size=engine.model_config.vocab_size,
             eos_token_ids=frozenset(engine.eos_token_ids),
             max_stop_token_ids=engine.info.max_stop_token_ids,

@@ -142,6 +142,10 @@ class ModelCard(BaseModel):
     max_model_len: int
     # Ouro: loops of the shared stack at full depth.
     num_loops: int
+    # How the engine runs it: activations' dtype, how K/V are stored, how the weights are.
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str
 
 
 class ModelList(BaseModel):
