@@ -21,7 +21,7 @@ import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.depth.trace import D2_6, resolved_trace_depth
-from loopserve.kv.storage import FP8, to_cache_dtype
+from loopserve.kv.storage import read_as_cached, special_cache_dtype
 from loopserve.models.layers import AttentionFn, LoopContext
 from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.outputs import TokenLogprobs
@@ -71,7 +71,7 @@ class _DenseKV:
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """K or V as the cache keeps them, in their own dtype."""
-        return x if self.kv_dtype is None else to_cache_dtype(x, self.kv_dtype).to(x.dtype)
+        return read_as_cached(x, self.kv_dtype)
 
     def append(self, plane: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = self.stored(k), self.stored(v)
@@ -105,7 +105,7 @@ class SerialReference:
         self.kv_layout = kv_layout
         self.exit_mode = exit_mode
         self.trace_distribution = tuple(trace_distribution)
-        self.kv_dtype = FP8 if kv_cache_dtype == "fp8" else None
+        self.kv_dtype = special_cache_dtype(kv_cache_dtype)
         self.device = model.device
 
     @torch.inference_mode()

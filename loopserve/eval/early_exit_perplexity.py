@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
-from loopserve.kv.storage import to_cache_dtype
+from loopserve.kv.storage import read_as_cached
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.models.window_attention import causal_attention
@@ -80,10 +80,8 @@ class _FrozenKVAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        if self.kv_dtype is not None:
-            k, v = (to_cache_dtype(x, self.kv_dtype).to(x.dtype) for x in (k, v))
-        k = self._latest(self._keys, layer, k)
-        v = self._latest(self._values, layer, v)
+        k = self._latest(self._keys, layer, read_as_cached(k, self.kv_dtype))
+        v = self._latest(self._values, layer, read_as_cached(v, self.kv_dtype))
         return self._attend(layer, q, k, v)
 
 

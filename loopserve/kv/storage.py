@@ -25,6 +25,16 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def read_as_cached(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`x` as a cache of `dtype` gives it back: stored, then read in x's own dtype (None: as is)."""
+    return x if dtype is None else to_cache_dtype(x, dtype).to(x.dtype)
+
+
+def special_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The storage dtype a `kv_cache_dtype` setting names; None for "auto" (the model's)."""
+    return FP8 if kv_cache_dtype == "fp8" else None
+
+
 class KVStorage:
     def __init__(
         self,

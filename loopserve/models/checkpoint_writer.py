@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loopserve.kv.storage import FP8, FP8_MAX, to_cache_dtype
+from loopserve.kv.storage import FP8
 from loopserve.models.loader import (
     EMBEDDING_TENSORS,
     INDEX_FILE,
@@ -125,14 +125,13 @@ def fp8_state_dict(
     fp8 checkpoints carry them; the other tensors unchanged."""
     quantized = dict(tensors)
     for name in fp8_weights(replace(config, checkpoint_quantization="fp8")):
-        weight = tensors[name].float()
-        if per_tensor:
-            amax = weight.abs().max()
-            scale = amax / FP8_MAX if amax > 0 else torch.ones(())
-            quantized[name] = to_cache_dtype(weight / scale, FP8)
+        weight = tensors[name]
+        if per_tensor:  # the per-row rule over the tensor as one row
+            weight8, scale = quantize_weight(weight.reshape(1, -1))
+            weight8, scale = weight8.reshape(weight.shape), scale.reshape(())
         else:
-            quantized[name], scale = quantize_weight(weight)
-        quantized[name + SCALE_SUFFIX] = scale.contiguous()
+            weight8, scale = quantize_weight(weight)
+        quantized[name], quantized[name + SCALE_SUFFIX] = weight8, scale.contiguous()
     return quantized
 
 

@@ -25,7 +25,7 @@ from loopserve.depth.trace import resolve_distribution
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.kernels.availability import triton_installed
 from loopserve.kv.pages import pages_for
-from loopserve.kv.storage import FP8, KVStorage
+from loopserve.kv.storage import KVStorage, special_cache_dtype
 from loopserve.models.builtin import resolve_model_dir
 from loopserve.models.families import read_model_config
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
@@ -149,7 +149,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
             "(its prelude and coda layers' K/V are not replayed); use preemption_mode swap"
         )
     model.exit_criterion = model_config.resolve_exit_criterion(scheduler.exit_criterion)
-    kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else model.dtype
+    kv_dtype = special_cache_dtype(config.kv_cache_dtype) or model.dtype
     bytes_per_page = KVStorage.bytes_per_page(
         model.num_kv_layers,
         scheduler.block_size,

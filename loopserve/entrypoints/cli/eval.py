@@ -150,7 +150,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         held_out_windows,
         markdown_table,
     )
-    from loopserve.kv.storage import FP8
+    from loopserve.kv.storage import special_cache_dtype
     from loopserve.models.builtin import resolve_model_dir
     from loopserve.models.loader import load_checkpoint, resolve_dtype
     from loopserve.models.quant import quantize_model
@@ -178,7 +178,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     if args.quantization == "fp8":
         model.fuse_projections()
         quantize_model(model)
-    kv_dtype = FP8 if args.kv_cache_dtype == "fp8" else None
+    kv_dtype = special_cache_dtype(args.kv_cache_dtype)
     separator = model.config.bos_token_id
     windows = held_out_windows(
         tokenizer,
