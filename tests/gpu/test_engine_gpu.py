@@ -103,7 +103,9 @@ def test_batch_invariant_fp32_engine_equals_reference(checkpoint: Path, layout: 
 
 def fp32_engine_equals_reference(
     checkpoint: Path, layout: str, mode: str, scheduling: str, **options: object
-) -> None:
+) -> Engine:
+    """The engine's run of 10 mixed requests equals the serial reference (which keeps K/V as the
+    engine's `kv_cache_dtype` option says); returns the engine."""
     exit_mode, threshold = MODES[mode]
     engine = Engine(
         EngineConfig.from_options(
@@ -119,10 +121,12 @@ def fp32_engine_equals_reference(
         engine.runner.model,  # type: ignore[attr-defined]
         kv_layout=layout,
         exit_mode=exit_mode,
+        kv_cache_dtype=str(options.get("kv_cache_dtype", "auto")),
     )
     for index, (prompt, request_params) in enumerate(zip(batch, params, strict=True)):
         expected = reference.generate(prompt, engine.resolve(request_params))
         assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
+    return engine
 
 
 # Pinned swap space set aside at start: ample, about one victim (the rest pinned on the spot),

@@ -13,10 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from loopserve.config import EngineConfig
-from loopserve.engine.engine import Engine
-from loopserve.reference import SerialReference
-from tests.gpu.test_engine_gpu import MODES, bf16_engine, checkpoint, mixed_params, prompts, run
+from tests.gpu.test_engine_gpu import (
+    bf16_engine,
+    checkpoint,
+    fp32_engine_equals_reference,
+    mixed_params,
+    prompts,
+    run,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,27 +50,10 @@ EXACT = [
 def test_fp32_engine_equals_the_quantized_reference(
     checkpoint: Path, layout: str, mode: str, quantized: str
 ) -> None:
-    exit_mode, threshold = MODES[mode]
-    options = QUANTIZED[quantized]
-    engine = Engine(
-        EngineConfig.from_options(
-            model=str(checkpoint), device="cuda", dtype="float32", kv_layout=layout,
-            exit_mode=exit_mode, attention_backend="triton", max_num_seqs=16,
-            num_kv_pages=2048, prefill_chunk_size=64, **options,
-        )
-    )  # fmt: skip
-    assert engine.info.quantization == "fp8"
-    batch, params = prompts(10), mixed_params(10, threshold)
-    results = run(engine, batch, params)
-    reference = SerialReference(
-        engine.runner.model,  # type: ignore[attr-defined]
-        kv_layout=layout,
-        exit_mode=exit_mode,
-        kv_cache_dtype=str(options.get("kv_cache_dtype", "auto")),
+    engine = fp32_engine_equals_reference(
+        checkpoint, layout, mode, "refill", **QUANTIZED[quantized]
     )
-    for index, (prompt, request_params) in enumerate(zip(batch, params, strict=True)):
-        expected = reference.generate(prompt, engine.resolve(request_params))
-        assert results[index] == (expected.token_ids, expected.exit_depths), f"request {index}"
+    assert engine.info.quantization == "fp8"
 
 
 @pytest.mark.parametrize("quantized", list(QUANTIZED))
