@@ -10,6 +10,7 @@ ids: the runner reports those in `RunnerInfo`), or import torch.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -38,6 +39,85 @@ class PreemptionMode(str, enum.Enum):
     SWAP = "swap"  # a victim's K/V are copied to host memory and back, bit for bit
     RECOMPUTE = "recompute"  # its pages are dropped; admitted again, it recomputes them
     AUTO = "auto"  # swap while the victim fits the pinned swap space, else recompute
+
+
+SPECULATIVE_METHODS = ("draft_loops",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Self-speculative decoding (docs/speculation.md), configured as vLLM's
+    `speculative_config`: a token that has run `draft_loops` loops without exiting proposes the
+    next token from that depth, which starts running at once; it is kept when the token's own
+    exit decision samples the same token. At most `num_speculative_tokens` proposed tokens of a
+    request run ahead of its last final one."""
+
+    method: str = "draft_loops"
+    num_speculative_tokens: int = 4
+    draft_loops: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {SPECULATIVE_METHODS} (the model's "
+                f"own first loops draft), got {self.method!r}"
+            )
+        for name, low, high in (
+            ("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+            ("draft_loops", 1, None),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"speculative_config {name} must be an integer >= {low}, got {value!r}"
+                )
+            if high is not None and value > high:
+                raise ValueError(f"speculative_config {name} must be at most {high}, got {value}")
+
+    def check_model(self, num_loops: int, family: str, num_stage_layers: int) -> None:
+        """Refuse a model it cannot serve exactly."""
+        if num_stage_layers:
+            raise ValueError(
+                f"speculative_config cannot serve {family} models: their prelude and coda "
+                "layers keep one version of each token's K/V, written when it exits, and a "
+                "proposed token may exit before the token it follows"
+            )
+        if self.draft_loops >= num_loops:
+            raise ValueError(
+                f"speculative_config draft_loops {self.draft_loops} must be below the model's "
+                f"loop count ({num_loops}): a proposal is the output after draft_loops loops, "
+                "checked by the loops after it"
+            )
+
+    @property
+    def lanes(self) -> int:
+        """Decode rows one request holds: its final token's and one per proposed token."""
+        return self.num_speculative_tokens + 1
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A config from a dict, its JSON text (`--speculative-config '{...}'`), or itself."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    "speculative_config (--speculative-config) must be a JSON object, such as "
+                    '{"method": "draft_loops", "num_speculative_tokens": 4, "draft_loops": 2}: '
+                    f"{error}"
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {item.name for item in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: Any = None) -> Any:
@@ -127,11 +207,29 @@ class SchedulerConfig:
     priority_bypass_limit: int = setting(
         64, "a waiting request lets at most this many later, higher-priority requests go first"
     )
+    speculative_config: SpeculativeConfig | None = setting(
+        None,
+        'self-speculative decoding, a JSON object as in vLLM: {"method": "draft_loops", '
+        '"num_speculative_tokens": K, "draft_loops": d}: a token that has run d loops '
+        "without exiting proposes the next token from that depth, which starts at once; it is "
+        "kept when the full-depth decision agrees, so outputs are unchanged (needs kv_layout "
+        "full; docs/speculation.md)",
+    )
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
         _check_finite(self)
         object.__setattr__(self, "trace_distribution", tuple(self.trace_distribution))
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
+        if self.speculative_config is not None and self.kv_layout is not KVLayout.FULL:
+            raise ValueError(
+                f"{option_name('speculative_config')} needs {option_name('kv_layout')} full: in "
+                "the shared layout a proposed token's later loops would read the shallow K/V of "
+                "the proposals before it, so its output would differ from decoding without "
+                "speculation"
+            )
         if self.trace_distribution:
             check_distribution(self.trace_distribution)
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size"):

@@ -69,6 +69,13 @@ class Engine:
                 self.model_config.family,
                 self.model_config.num_loops,
             )
+        speculative = scheduler_config.speculative_config
+        if speculative is not None:  # a runner handed in was not checked
+            speculative.check_model(
+                self.model_config.num_loops,
+                self.model_config.family,
+                self.model_config.num_stage_layers,
+            )
         model_dir = Path(self.info.model_dir) if self.info.model_dir is not None else None
         self.tokenizer = Tokenizer.from_directory(model_dir) if model_dir is not None else None
         generation = (
@@ -156,6 +163,11 @@ class Engine:
                 f"request, got {len(stop_ids)}"
             )
         grammar = None
+        if params.structured_outputs is not None and self.config.scheduler.speculative_config:
+            raise ValueError(
+                "structured outputs are not served with speculative_config yet: run this "
+                "request on an engine without speculation"
+            )
         if params.structured_outputs is not None:
             grammar = self.constraints.check(params.structured_outputs)
         request = Request(
@@ -280,30 +292,38 @@ class Engine:
     def _complete(self, scheduled: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
         changed = self.scheduler.update(scheduled, pending.result())
         verdicts = [
-            self.constraints.accept(request.request_id, request.output_token_ids[-1:])
-            for request in changed
+            self.constraints.accept(request.request_id, request.output_token_ids[-count:])
+            for request, count in changed
         ]
         self.constraints.prepare()  # the next bitmasks, computed while the outputs are built
         now = time.monotonic()
         return [
-            self._after_token(request, now, verdict)
-            for request, verdict in zip(changed, verdicts, strict=True)
+            self._after_tokens(request, count, now, verdict)
+            for (request, count), verdict in zip(changed, verdicts, strict=True)
         ]
 
-    def _after_token(self, request: Request, now: float, verdict: str | None) -> RequestOutput:
-        """`verdict`: what the request's constraint says of its new token (`Constraints.accept`)."""
+    def _after_tokens(
+        self, request: Request, count: int, now: float, verdict: str | None
+    ) -> RequestOutput:
+        """`count` new tokens (several only where requests speculate); `verdict`: what the
+        request's constraint says of them (`Constraints.accept`)."""
 
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        metrics.token_times.append(now)
-        new_ids = request.output_token_ids[-1:]
+        new_ids = request.output_token_ids[-count:]
         new_text = ""
         detokenizer = self._detokenizers.get(request.request_id)
         if detokenizer is not None:
-            new_text, stop = detokenizer.add(new_ids)
-            if stop is not None and not request.finished:
-                self.scheduler.finish(request, "stop", stop_reason=stop)
+            first = request.num_output_tokens - count
+            for index, token in enumerate(new_ids):
+                text, stop = detokenizer.add([token])
+                new_text += text
+                if stop is not None and (index < count - 1 or not request.finished):
+                    self.scheduler.stop_at(request, first + index + 1, stop)
+                    new_ids = new_ids[: index + 1]
+                    break
+        metrics.token_times.extend([now] * len(new_ids))
         if verdict is not None and not request.finished:
             self.scheduler.finish(request, verdict)  # complete ("stop") or broken ("abort")
         if request.finished:
@@ -359,6 +379,8 @@ class Engine:
             prefix_cache_hit_rate=scheduler.prefix_hit_rate,
             prefix_hit_tokens=scheduler.prefix_hit_tokens,
             prefix_query_tokens=scheduler.prefix_query_tokens,
+            proposed_tokens=scheduler.proposed_tokens,
+            confirmed_tokens=scheduler.confirmed_tokens,
         )
 
 

@@ -24,6 +24,8 @@ class PageBudget:
         self.reserve = config.kv_allocation is KVAllocation.RESERVE
         self.kv = kv
         self.watermark = math.ceil(config.kv_watermark * kv.num_usable_pages)
+        speculative = config.speculative_config
+        self.lanes = speculative.lanes if speculative is not None else 1
 
     def pages_needed(self, request: Request) -> int:
         """Every page the request can ever hold at once."""
@@ -42,8 +44,9 @@ class PageBudget:
 
     def decode_targets(self, request: Request) -> dict[int, int]:
         """Tokens each plane must cover before the next decode step: up to the position after
-        the in-flight token (the step may run one token ahead of the host)."""
-        tokens = min(request.position + 2, self.num_positions(request))
+        the in-flight token (the step may run one token ahead of the host). A speculating
+        request's step may be `lanes` tokens ahead and run `lanes` positions from there."""
+        tokens = min(request.position + 2 * self.lanes, self.num_positions(request))
         return {plane: tokens for plane in self.layout.generated_planes(request.params.max_loops)}
 
     def decode_growth(self, request: Request) -> int:

@@ -118,6 +118,20 @@ class Scheduler:
         request.stop_reason = stop_reason
         self._leave_slot(request, self._pending_clears)
 
+    def stop_at(self, request: Request, num_outputs: int, stop_reason: str) -> None:
+        """A stop string ended the request at output `num_outputs`: outputs after it (a
+        speculating step may report several at once) are dropped, as decoding token by token
+        would never have made them."""
+        dropped = request.num_output_tokens - num_outputs
+        del request.output_token_ids[num_outputs:]
+        del request.exit_depths[num_outputs:]
+        del request.logprobs[num_outputs:]
+        self.stats.generated_tokens -= dropped
+        if request.finished:  # by a later token of the same step
+            request.finish_reason, request.stop_reason = "stop", stop_reason
+        else:
+            self.finish(request, "stop", stop_reason=stop_reason)
+
     def _leave_slot(self, request: Request, clears: list[int]) -> None:
         """Free a running request's pages and slot (it finished or is preempted); its slot's
         tables are cleared through `clears`."""
@@ -347,9 +361,10 @@ class Scheduler:
 
     # ----- results -------------------------------------------------------------------------
 
-    def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Apply a step's results; returns the requests that gained a token or finished."""
-        changed: list[Request] = []
+    def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
+        """Apply a step's results; returns the requests that gained tokens or finished, each
+        with its number of new tokens (more than one only where requests speculate)."""
+        changed: list[tuple[Request, int]] = []
         for chunk, token in zip(scheduled.prefill_chunks, result.prefill_tokens, strict=True):
             request = self._running_by_id.get(chunk.request_id)
             if request is None:
@@ -367,7 +382,7 @@ class Scheduler:
             self._append_token(request, token, depth=chunk.num_loops)
             if not request.finished:
                 self._start_slot(request)
-            changed.append(request)
+            changed.append((request, 1))
         if result.decode is not None:
             self._apply_decode(scheduled, result.decode, changed)
         return changed
@@ -396,7 +411,7 @@ class Scheduler:
         self._decoding[request.slot] = request.request_id
 
     def _apply_decode(
-        self, scheduled: SchedulerOutput, result: DecodeResult, changed: list[Request]
+        self, scheduled: SchedulerOutput, result: DecodeResult, changed: list[tuple[Request, int]]
     ) -> None:
         """Record what the decode step did (a step after it did it, when asynchronous)."""
         ran = sum(result.ran)
@@ -406,20 +421,25 @@ class Scheduler:
             self.stats.row_loops.update(
                 loop for loop, did in zip(result.loops, result.ran, strict=True) if did
             )
-        for slot, exited in enumerate(result.exited):
+        self.stats.proposed_tokens += result.proposed
+        self.stats.confirmed_tokens += result.confirmed
+        for slot, tokens in enumerate(result.tokens):
             request_id = scheduled.decode_slots.get(slot)
             request = self._running_by_id.get(request_id) if request_id is not None else None
-            if not exited or request is None:
-                continue  # finished meanwhile (stop string, abort): its extra token is dropped
-            token = result.tokens[slot]
-            assert token is not None
-            self._append_token(request, token, depth=result.loops[slot])
+            if not tokens or request is None:
+                continue  # finished meanwhile (stop string, abort): its extra tokens are dropped
+            for token, depth in zip(tokens, result.depths[slot], strict=True):
+                if request.finished:
+                    raise RuntimeError(
+                        f"the decode step gave {request.request_id!r} a token after its last"
+                    )
+                self._append_token(request, token, depth)
             if result.stopped[slot] != request.finished:
                 raise RuntimeError(
                     f"the decode step and the scheduler disagree on whether "
                     f"{request.request_id!r} stopped"
                 )
-            changed.append(request)
+            changed.append((request, len(tokens)))
 
     def _append_token(self, request: Request, sampled: SampledToken, depth: int) -> None:
         """Record a generated token and finish the request if it ends it. The decode step applies

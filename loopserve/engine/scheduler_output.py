@@ -135,13 +135,17 @@ class SampledToken:
 
 @dataclass(slots=True)
 class DecodeResult:
-    """What one decode step did, per slot row 0..rows-1."""
+    """What one decode step did: per decode row (a slot's rows together, one per slot unless
+    requests speculate), whether it ran a loop and which; per slot 0..rows-1, the tokens that
+    became final, in order, with their exit depths (at most one without speculation)."""
 
-    ran: list[bool]  # the slot ran a loop this step
-    loops: list[int]  # the loop it ran
-    exited: list[bool]
-    tokens: list[SampledToken | None]  # the sampled next token of slots that exited
-    stopped: list[bool]  # the step ended the slot (stop token id or max_tokens) after this token
+    ran: list[bool]  # per decode row: it ran a loop this step
+    loops: list[int]  # per decode row: the loop it ran
+    tokens: list[list[SampledToken]]  # per slot
+    depths: list[list[int]]  # per slot: each token's exit depth
+    stopped: list[bool]  # per slot: the step ended it (stop token id or max_tokens)
+    proposed: int = 0  # speculation: proposed tokens that got a decode row this step
+    confirmed: int = 0  # speculation: proposed tokens found equal to the final token this step
 
 
 @dataclass(slots=True)

@@ -21,6 +21,9 @@ class SchedulerStats:
     preemptions: int = 0
     swapped_out_pages: int = 0
     recomputed_tokens: int = 0  # prefill positions run again after recompute preemptions
+    # Speculation: proposed tokens that got a decode row, and those equal to the final token.
+    proposed_tokens: int = 0
+    confirmed_tokens: int = 0
     # Prompt tokens looked up in the prefix cache, and those found there.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -61,3 +64,11 @@ class EngineStats:
     prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / prompt tokens
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    # Speculation (docs/speculation.md): proposed tokens that got a decode row, those found
+    # equal to the final token, and the share confirmed (0 without speculation).
+    proposed_tokens: int = 0
+    confirmed_tokens: int = 0
+
+    @property
+    def proposal_acceptance_rate(self) -> float:
+        return self.confirmed_tokens / self.proposed_tokens if self.proposed_tokens else 0.0

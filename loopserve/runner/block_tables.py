@@ -90,14 +90,17 @@ class BlockTables:
         planes: torch.Tensor,  # [R] int64: the plane slot r writes and reads
         positions: torch.Tensor,  # [R] int64: the position of slot r's in-flight token
         host_lengths: bool,
+        table_rows: torch.Tensor | None = None,  # [R] int64: row r's slot (default: r)
     ) -> AttentionMetadata:
         """One query per slot 0..R-1, built on the device with no host synchronisation unless
         `host_lengths` (for backends that loop over rows on the host). Rows that do not run have
-        length 0 and write into the null page; every row's table spans the whole context."""
+        length 0 and write into the null page; every row's table spans the whole context. A
+        speculating request's rows (`table_rows`) share its slot's tables."""
         rows = ran.shape[0]
-        slot_index = torch.arange(rows, device=self.device)
+        row_index = torch.arange(rows, device=self.device)
+        slot_index = row_index if table_rows is None else table_rows
         page_table = self.tables[slot_index, planes]  # [R, P]
-        slots = self.flat_slots(page_table, slot_index, positions)
+        slots = self.flat_slots(page_table, row_index, positions)
         seq_lens = torch.where(ran, positions + 1, torch.zeros_like(positions)).to(torch.int32)
         slot_mapping = torch.where(ran, slots, NULL_PAGE * self.block_size)
         return self.decode_metadata_from(seq_lens, page_table, slot_mapping, host_lengths)

@@ -51,7 +51,7 @@ class GraphedDecodeStep:
         if captured is None:
             captured = self._capture(bucket, kind)
             self._graphs[(bucket, kind)] = captured
-        return captured.replay()[:rows]
+        return captured.replay()[: self.step.record_rows(rows)]
 
     def _capture(self, rows: int, kind: SamplingKind) -> Captured[torch.Tensor]:
         state = self.step.state_tensors()

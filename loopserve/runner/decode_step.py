@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -61,6 +61,18 @@ RESULT_COLUMNS = 6
 MAX_STOP_TOKEN_IDS = 16
 
 
+class Lanes(Protocol):
+    """The step of speculating requests' lanes (runner/speculation.py)."""
+
+    def stop(self, rows: torch.Tensor) -> None: ...
+
+    def start(self, rows: torch.Tensor, starts: list[SlotStart]) -> None: ...
+
+    def state_tensors(self) -> list[torch.Tensor]: ...
+
+    def step(self, rows: int, kind: SamplingKind) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingKind:
     """What the step's coda must support; one CUDA graph per kind and row bucket."""
@@ -95,7 +107,11 @@ class DecodeStep:
         )
         self.vocab_size = model.config.vocab_size
         device = self.device = block_tables.device
-        slots = config.max_num_seqs
+        # Decode rows per request slot: 1, or one per token a speculating request has in flight
+        # (its lanes, runner/speculation.py); row r belongs to slot r // lanes.
+        speculative = config.speculative_config
+        self.lanes = lanes = speculative.lanes if speculative is not None else 1
+        slots = config.max_num_seqs * lanes
 
         def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
             return torch.zeros((slots, *shape), dtype=dtype, device=device)
@@ -119,13 +135,17 @@ class DecodeStep:
         self.greedy = zeros(torch.bool)
         self.top_k = zeros(torch.int64) + self.vocab_size
         self.seed = zeros(torch.int64)
-        self.logprob_counts: list[int | None] = [None] * slots
+        requests = config.max_num_seqs
+        self.logprob_counts: list[int | None] = [None] * requests  # per slot
         self.masks = SlotMasks(slots, self.vocab_size, device)
-        self._greedy_host = [True] * slots
-        self._filter_host = [False] * slots
-        # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too.
+        self._greedy_host = [True] * requests
+        self._filter_host = [False] * requests
+        # The lanes of speculating requests (runner/speculation.py), handed in by `speculate`.
+        self.speculation: Lanes | None = None
+        # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too (not yet
+        # for speculating lanes, which run the torch rules on every device).
         self.kernels: DecodeKernels | None = None
-        if fused_kernels and model.fused_bookkeeping:
+        if fused_kernels and model.fused_bookkeeping and speculative is None:
             from loopserve.kernels.decode_state import DecodeKernels
 
             # RoPE rows of every position a page table holds (2 * positions * D values).
@@ -140,16 +160,41 @@ class DecodeStep:
                 full_layout=self.layout.copies_on_exit,
             )
 
+    def speculate(self, lanes: Lanes) -> None:
+        """Run speculating requests' lanes (`config.speculative_config`) with `lanes`."""
+        if self.lanes == 1:
+            raise ValueError("lanes need a speculative_config")
+        self.speculation = lanes
+
     # ----- host -> device (between steps) --------------------------------------------------
 
     def stop(self, slots: list[int]) -> None:
-        index = self._long(slots)
+        index = self._long(self.lane_rows(slots))
         self.active[index] = False
         self.waiting[index] = False
+        if self.speculation is not None:
+            self.speculation.stop(index)
+
+    def lane_rows(self, slots: list[int]) -> list[int]:
+        """The decode rows of `slots` (one each unless requests speculate)."""
+        lanes = self.lanes
+        return [slot * lanes + lane for slot in slots for lane in range(lanes)]
 
     def start(self, starts: list[SlotStart]) -> None:
-        """Write the state of newly started slots (one small copy per field)."""
-        index = self._long([s.slot for s in starts])
+        """Write the state of newly started slots (one small copy per field; a speculating
+        slot's settings go to each of its lanes, its token to the lane of its position)."""
+        index = self._long(self.lane_rows([s.slot for s in starts]))
+        starts_per_row = [s for s in starts for _ in range(self.lanes)]
+        self._start_rows(index, starts_per_row)
+        if self.speculation is not None:
+            self.speculation.start(index, starts)
+        for start in starts:
+            param = start.params.params
+            self.logprob_counts[start.slot] = param.logprobs
+            self._greedy_host[start.slot] = param.greedy
+            self._filter_host[start.slot] = needs_filter(param, self.vocab_size)
+
+    def _start_rows(self, index: torch.Tensor, starts: list[SlotStart]) -> None:
         resolved = [s.params for s in starts]
         params = [r.params for r in resolved]
         self._put(self.token, index, [s.token for s in starts])
@@ -179,10 +224,6 @@ class DecodeStep:
         self.waiting[index] = self.scheduling is policy.Scheduling.NO_REFILL
         self.active[index] = True
         self.masks.reset(index, [s.slot for s in starts])
-        for start, param in zip(starts, params, strict=True):
-            self.logprob_counts[start.slot] = param.logprobs
-            self._greedy_host[start.slot] = param.greedy
-            self._filter_host[start.slot] = needs_filter(param, self.vocab_size)
 
     def sampling_kind(self, slots: list[int]) -> SamplingKind:
         counts = [self.logprob_counts[slot] or 0 for slot in slots]
@@ -202,11 +243,16 @@ class DecodeStep:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything `step` mutates besides the KV cache (for snapshots around graph capture)."""
+        lanes = self.speculation.state_tensors() if self.speculation is not None else []
         return [
             self.active, self.waiting, self.stop_next, self.loop, self.position, self.token,
             self.output_count, self.survival, self.hidden, self.exit_memory,
-            self.masks.constrained,
+            self.masks.constrained, *lanes,
         ]  # fmt: skip
+
+    def record_rows(self, rows: int) -> int:
+        """Rows of the result record of a step over slots [0, rows)."""
+        return rows * self.lanes
 
     # ----- one loop (device only) -----------------------------------------------------------
 
@@ -214,31 +260,22 @@ class DecodeStep:
         """One loop for slots [0, rows). Returns the result record [rows, RESULT_COLUMNS + 2K]."""
         if self.kernels is not None:
             return self._fused_step(rows, kind, self.kernels)
+        if self.lanes > 1:
+            if self.speculation is None:
+                raise RuntimeError("a speculative_config's decode step was handed no lanes")
+            return self.speculation.step(rows, kind)
         active = self.active[:rows]
-        row = self._row_depth(rows)
+        row = self.row_depth(rows)
         ran, waiting = policy.runs(
             self._runnable(rows, kind, row), self.waiting[:rows], self.scheduling
         )
         position = self.position[:rows]
-        cos, sin = self.model.rope(position)
-        starts = row.loop == 1
-        beginning = ran & starts
-        first = self.model.start(
-            self.token[:rows],
-            position,
-            self.seed[:rows],
-            self._stage_context(beginning, row, position, cos, sin),
-            rows=beginning,
-        )
-        hidden = torch.where(starts[:, None], first, self.hidden[:rows])
-        plane = self.layout.decode_plane(row.loop, row.max_loops)
-        metadata = self.block_tables.decode_metadata(ran, plane, position, self._host_lengths)
-        out = self._loop(hidden, cos, sin, metadata)
+        hidden, out, cos, sin = self.forward(ran, row, position)
         loop = (hidden, out, position, cos, sin)
         outcome, sampled = self._exit_and_sample(rows, kind, row, ran, *loop)
         exited = outcome.exited
         if self.layout.copies_on_exit:
-            self._copy_on_exit(rows, exited, row, position)
+            self.copy_on_exit(exited, row, position)
         count = self.output_count[:rows] + exited.long()
         is_stop = (sampled.tokens[:, None] == self.stop_ids[:rows]).any(-1)
         stopped = exited & (is_stop | (count >= self.max_tokens[:rows]))
@@ -274,7 +311,7 @@ class DecodeStep:
         out = self._loop(start.hidden, start.cos, start.sin, metadata)
         hazard = self.model.exit_probability(out, start.hidden, self.threshold[:rows])
         outcome = kernels.decide(start, hazard)
-        sampled = self._choose(rows, kind, out, outcome.exited)
+        sampled = self.choose(rows, kind, out, outcome.exited)
         width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1]
         columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
         coda = kernels.coda(start, outcome, out, columns, width)
@@ -286,12 +323,39 @@ class DecodeStep:
             copy_kv_slots(self.kv, *coda.copies)  # `kv.copy_slots` in one launch
         return coda.record
 
+    def forward(
+        self,
+        ran: torch.Tensor,
+        row: RowDepth,
+        position: torch.Tensor,
+        table_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One loop of rows [0, R): (its input, its output, cos, sin). `table_rows` [R]: the
+        slot whose page tables each row uses (default: row r, slot r)."""
+        rows = ran.shape[0]
+        cos, sin = self.model.rope(position)
+        starts = row.loop == 1
+        beginning = ran & starts
+        first = self.model.start(
+            self.token[:rows],
+            position,
+            self.seed[:rows],
+            self._stage_context(beginning, row, position, cos, sin),
+            rows=beginning,
+        )
+        hidden = torch.where(starts[:, None], first, self.hidden[:rows])
+        plane = self.layout.decode_plane(row.loop, row.max_loops)
+        metadata = self.block_tables.decode_metadata(
+            ran, plane, position, self._host_lengths, table_rows
+        )
+        return hidden, self._loop(hidden, cos, sin, metadata), cos, sin
+
     def _runnable(self, rows: int, kind: SamplingKind, row: RowDepth | None = None) -> torch.Tensor:
         """Active rows, less constrained rows held for their bitmask (`runner.token_masks`)."""
         active = self.active[:rows]
         if not kind.constrained:
             return active
-        row = row if row is not None else self._row_depth(rows)
+        row = row if row is not None else self.row_depth(rows)
         return active & ~self.masks.held(rows, row, self.output_count[:rows])
 
     @property
@@ -330,7 +394,7 @@ class DecodeStep:
             hazard = self.model.exit_probability(out, hidden, threshold)
             outcome = policy.after_loop(row, ran, hazard)
             coda = self._stage_context(outcome.exited, row, position, cos, sin)
-            return outcome, self._choose(rows, kind, out, outcome.exited, coda)
+            return outcome, self.choose(rows, kind, out, outcome.exited, coda)
         coda = self._stage_context(ran, row, position, cos, sin)
         logits = self.model.compute_logits(out, rows=ran, ctx=coda)  # [rows, V]
         fresh = self.model.initial_exit_memory(rows)
@@ -358,7 +422,7 @@ class DecodeStep:
         metadata = self.block_tables.decode_metadata(writes, plane, position, self._host_lengths)
         return LoopContext(cos, sin, PagedAttention(self.backend, self.kv, metadata))
 
-    def _choose(
+    def choose(
         self,
         rows: int,
         kind: SamplingKind,
@@ -372,7 +436,7 @@ class DecodeStep:
         logits = self.model.compute_logits(out, rows=exited, ctx=coda)  # [rows, V]
         return sample(logits, self._sampling_batch(rows, kind))
 
-    def _row_depth(self, rows: int) -> RowDepth:
+    def row_depth(self, rows: int) -> RowDepth:
         width = self.trace_depths.shape[1]
         decode_index = (self.output_count[:rows] - 1).clamp(min=0, max=width - 1)
         trace_depth = self.trace_depths[:rows].gather(1, decode_index[:, None]).squeeze(1)
@@ -387,15 +451,20 @@ class DecodeStep:
             trace_depth=trace_depth.long(),
         )
 
-    def _copy_on_exit(
-        self, rows: int, exited: torch.Tensor, row: RowDepth, position: torch.Tensor
+    def copy_on_exit(
+        self,
+        exited: torch.Tensor,
+        row: RowDepth,
+        position: torch.Tensor,
+        table_rows: torch.Tensor | None = None,
     ) -> None:
         """Copy each exited token's K/V from the plane it last wrote into the planes the layout
-        says must read it at that version (one masked copy; other rows copy into the null page)."""
-        tables = self.block_tables.tables[:rows]  # [rows, planes, P]
+        says must read it at that version (one masked copy; other rows copy into the null page).
+        `table_rows` as in `forward`."""
         block = self.block_tables.block_size
-        row_index = torch.arange(rows, device=self.device)
-        pages = tables[row_index, :, position // block]  # [rows, planes]
+        if table_rows is None:
+            table_rows = torch.arange(exited.shape[0], device=self.device)
+        pages = self.block_tables.tables[table_rows, :, position // block]  # [rows, planes]
         slots = pages.long() * block + (position % block)[:, None]
         written = self.layout.decode_plane(row.loop, row.max_loops)
         source = slots.gather(1, written[:, None]).expand_as(slots)
@@ -406,6 +475,10 @@ class DecodeStep:
         self.kv.copy_slots(
             source.reshape(-1), destination.reshape(-1), self.model.config.num_hidden_layers
         )
+
+    def row_logprob_counts(self, rows: int) -> list[int | None]:
+        """Per decode row [0, rows): the log-prob alternatives its request asked for."""
+        return [self.logprob_counts[row // self.lanes] for row in range(rows)]
 
     def _sampling_batch(self, rows: int, kind: SamplingKind) -> SamplingBatch:
         masks = self.masks
@@ -420,7 +493,7 @@ class DecodeStep:
             needs_filter=kind.needs_filter,
             all_greedy=kind.all_greedy,
             num_logprobs=kind.num_logprobs,
-            logprob_counts=self.logprob_counts[:rows],
+            logprob_counts=self.row_logprob_counts(rows),
             any_logprobs=kind.any_logprobs,
             constrained=masks.constrained[:rows] if kind.constrained else None,
             token_mask=masks.token_mask[:rows] if kind.constrained else None,

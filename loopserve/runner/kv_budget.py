@@ -145,7 +145,9 @@ def check_slot_state(config: EngineConfig, model: LoopedForCausalLM, device: tor
     for them (or profiled with them)."""
     slots, default = config.scheduler.max_num_seqs, SchedulerConfig().max_num_seqs
     element = model.dtype.itemsize
-    needed = slots * slot_bytes(config, model.config, element, model.carried_size)
+    speculative = config.scheduler.speculative_config
+    lanes = speculative.lanes if speculative is not None else 1  # an upper bound: rows each
+    needed = slots * lanes * slot_bytes(config, model.config, element, model.carried_size)
     if needed > free_memory(device):
         raise ValueError(
             f"{option_name('max_num_seqs')} {slots}: the state of that many request slots (block "

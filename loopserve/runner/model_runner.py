@@ -35,6 +35,7 @@ from loopserve.runner.decode_step import (
     SamplingKind,
 )
 from loopserve.runner.prefill import PromptRunner, sampled_token
+from loopserve.runner.speculation import CONFIRMED, DEPTH, EXTRA_COLUMNS, PROPOSED
 from loopserve.runner.swap import HostSwap
 
 
@@ -51,11 +52,13 @@ class PendingOutput:
         record: torch.Tensor | None = None,
         event: torch.cuda.Event | None = None,
         logprob_counts: list[int | None] | None = None,
+        lanes: int = 1,
     ) -> None:
         self._output = output
         self._record = record
         self._event = event
         self._logprob_counts = logprob_counts or []
+        self._lanes = lanes
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
@@ -64,29 +67,39 @@ class PendingOutput:
         if self._record is not None:
             while not self.ready():
                 time.sleep(0)
-            self._output.decode = _decode_result(self._record, self._logprob_counts)
+            self._output.decode = _decode_result(self._record, self._logprob_counts, self._lanes)
             self._record = None
         return self._output
 
 
-def _decode_result(record: torch.Tensor, counts: list[int | None]) -> DecodeResult:
+def _decode_result(record: torch.Tensor, counts: list[int | None], lanes: int) -> DecodeResult:
+    """The record of a step (`lanes` rows per slot; the speculative record's extra columns last)
+    as host values; `counts` per record row."""
     rows = record.tolist()
-    top_count = (record.shape[1] - RESULT_COLUMNS) // 2
-    tokens: list[SampledToken | None] = []
-    for row, count in zip(rows, counts, strict=False):
-        if not row[EXITED]:
-            tokens.append(None)
-            continue
-        top_ids = row[RESULT_COLUMNS : RESULT_COLUMNS + top_count]
-        top_logprobs = row[RESULT_COLUMNS + top_count :]
-        tokens.append(sampled_token(int(row[TOKEN]), row[LOGPROB], top_ids, top_logprobs, count))
-    return DecodeResult(
+    extra = EXTRA_COLUMNS if lanes > 1 else 0
+    top_count = (record.shape[1] - RESULT_COLUMNS - extra) // 2
+    end = RESULT_COLUMNS + 2 * top_count
+    result = DecodeResult(
         ran=[bool(row[RAN]) for row in rows],
         loops=[int(row[LOOP]) for row in rows],
-        exited=[bool(row[EXITED]) for row in rows],
-        tokens=tokens,
-        stopped=[bool(row[STOPPED]) for row in rows],
+        tokens=[[] for _ in range(len(rows) // lanes)],
+        depths=[[] for _ in range(len(rows) // lanes)],
+        stopped=[False] * (len(rows) // lanes),
     )
+    for index, (row, count) in enumerate(zip(rows, counts, strict=True)):
+        slot = index // lanes
+        if extra:
+            result.proposed += int(row[end + PROPOSED])
+            result.confirmed += int(row[end + CONFIRMED])
+        if not row[EXITED]:
+            continue
+        top_ids = row[RESULT_COLUMNS : RESULT_COLUMNS + top_count]
+        top_logprobs = row[RESULT_COLUMNS + top_count : end]
+        token = sampled_token(int(row[TOKEN]), row[LOGPROB], top_ids, top_logprobs, count)
+        result.tokens[slot].append(token)
+        result.depths[slot].append(int(row[end + DEPTH]) if extra else int(row[LOOP]))
+        result.stopped[slot] |= bool(row[STOPPED])
+    return result
 
 
 class ModelRunner:
@@ -124,7 +137,8 @@ class ModelRunner:
         prefill_tokens: list[SampledToken | None] = []
         if scheduled.prefill_chunks:
             prefill_tokens = self.prompts.run(scheduled.prefill_chunks)
-        return PendingOutput(RunnerOutput(prefill_tokens), record, event, counts)
+        output = RunnerOutput(prefill_tokens)
+        return PendingOutput(output, record, event, counts, self.decode.lanes)
 
     def _run_decode(
         self, scheduled: SchedulerOutput
@@ -141,7 +155,7 @@ class ModelRunner:
         slots = list(scheduled.decode_slots)
         rows = max(slots) + 1
         record = self.run_decode_step(rows, self.decode.sampling_kind(slots))
-        counts = self.decode.logprob_counts[:rows]
+        counts = self.decode.row_logprob_counts(self.decode.record_rows(rows))
         if self.device.type != "cuda":
             return record, None, counts
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)

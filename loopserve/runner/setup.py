@@ -30,6 +30,7 @@ from loopserve.models.builtin import resolve_model_dir
 from loopserve.models.families import read_model_config
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
 from loopserve.models.looped import LoopedForCausalLM
+from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ops import TritonOps
 from loopserve.models.quant import quantization_of, quantize_model
 from loopserve.runner.block_tables import BlockTables
@@ -44,6 +45,7 @@ from loopserve.runner.kv_budget import (
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.prefill import PromptRunner
 from loopserve.runner.prompt_graphs import GraphedPromptLoop
+from loopserve.runner.speculation import SpeculativeLanes
 from loopserve.runner.swap import HostSwap
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
     model_config = read_model_config(model_dir / "config.json")
     scheduler = config.scheduler
     model_config.resolve_exit_criterion(scheduler.exit_criterion)  # before the weights
+    _check_speculation(config, model_config)
     if scheduler.exit_mode is ExitMode.TRACE:  # the engine says the same, after the weights
         resolve_distribution(
             scheduler.trace_distribution, model_config.family, model_config.num_loops
@@ -148,6 +151,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
             f"{option_name('preemption_mode')} recompute is not served for {model_config.family} "
             "(its prelude and coda layers' K/V are not replayed); use preemption_mode swap"
         )
+    _check_speculation(config, model_config)
     model.exit_criterion = model_config.resolve_exit_criterion(scheduler.exit_criterion)
     kv_dtype = special_cache_dtype(config.kv_cache_dtype) or model.dtype
     bytes_per_page = KVStorage.bytes_per_page(
@@ -183,6 +187,10 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
     trace_length = max_model_len if traced else 1
     fused = isinstance(model.ops, TritonOps)  # the step's bookkeeping is fused where layers are
     decode = DecodeStep(model, kv, backend, tables, scheduler, trace_length, fused_kernels=fused)
+    if scheduler.speculative_config is not None:
+        decode.speculate(
+            SpeculativeLanes(decode, scheduler.speculative_config, scheduler.max_num_seqs)
+        )
     preempts = scheduler.kv_allocation is KVAllocation.INCREMENTAL
     swap = HostSwap(kv, int(config.swap_space_gb * 2**30) if preempts else 0)
     info = RunnerInfo(
@@ -209,6 +217,14 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         )
     prompts = PromptRunner(model, kv, backend, tables, prompt_graphs)
     return ModelRunner(model, tables, decode, prompts, swap, info, graphs)
+
+
+def _check_speculation(config: EngineConfig, model_config: LoopedConfig) -> None:
+    speculative = config.scheduler.speculative_config
+    if speculative is not None:
+        speculative.check_model(
+            model_config.num_loops, model_config.family, model_config.num_stage_layers
+        )
 
 
 def _attention_spec(

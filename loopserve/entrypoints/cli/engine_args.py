@@ -5,7 +5,8 @@ back into `EngineConfig` options. Must not: restate a default, a choice or a hel
 config field gets its flag here without any change to this file.
 
 Field types map to flags: bool -> `--name/--no-name`; an enum -> its values as choices; `int`,
-`float`, `str` (optionally `| None`) -> that type; `tuple[float, ...]` -> a comma-separated list.
+`float`, `str` (optionally `| None`) -> that type; `tuple[float, ...]` -> a comma-separated list;
+a dataclass (`SpeculativeConfig`) -> its JSON text.
 Values are checked by the configs themselves (their errors name the flag), apart from one rule of
 the command line only: `--trace-distribution` gives probabilities, which must sum to 1 (Python
 callers may pass weights).
@@ -14,6 +15,7 @@ callers may pass weights).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import types
 import typing
@@ -59,6 +61,9 @@ def _add_flag(group: argparse._ArgumentGroup, item: Field[Any], annotation: Any)
     elif isinstance(kind, type) and issubclass(kind, enum.Enum):
         options["choices"] = [member.value for member in kind]
         options["default"] = item.default.value
+    elif dataclasses.is_dataclass(kind):  # a nested setting, given as JSON (its config parses it)
+        options["type"] = str
+        options["metavar"] = "JSON"
     elif kind is tuple:
         options["type"] = _float_list
         options["metavar"] = "P1,P2,..."
