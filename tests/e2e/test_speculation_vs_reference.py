@@ -1,0 +1,131 @@
+"""Self-speculative decoding changes no output: engine tokens and exit depths with a
+`speculative_config` equal the serial reference (fp32, CPU) on random Ouro checkpoints with 4, 3
+and 2 loops and on Nanbeige, for K in {1, 2, 4, 8} proposed tokens, draft depths d in {1, 2, 3},
+every exit mode, both schedulings, synchronous reads, preemption (swap and recompute), prefix
+hits and reserved allocation. On random weights most proposals are wrong, so these runs mostly
+exercise dropping lanes; `test_speculation_shipped_model.py` holds the runs where they are
+right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_engine_vs_reference import (
+    MODES,
+    NANBEIGE_MODES,
+    PROMPTS,
+    RUN_STATS,
+    checkpoint,
+    reference,
+    run_engine,
+)
+
+__all__ = ["checkpoint", "reference"]  # the fixtures this module shares
+
+# (K, d) pairs: every K and every d with each loop count, d below the loop count.
+PAIRS = {
+    4: [(1, 1), (2, 2), (4, 3), (8, 1), (4, 2), (1, 3), (8, 2), (2, 1)],
+    3: [(1, 1), (2, 2), (4, 1), (8, 2)],
+    2: [(1, 1), (4, 1), (8, 1), (2, 1)],
+    "nanbeige": [(4, 1), (2, 1), (8, 1), (1, 1)],
+}
+CASES = [
+    (loops, mode, scheduling, k, d)
+    for loops, pairs in PAIRS.items()
+    for mode in (NANBEIGE_MODES if loops == "nanbeige" else MODES)
+    for scheduling in ("refill", "no_refill")
+    for k, d in pairs[:: 2 if scheduling == "no_refill" else 1]
+]
+
+
+def speculative(k: int, d: int) -> dict[str, object]:
+    return {"method": "draft_loops", "num_speculative_tokens": k, "draft_loops": d}
+
+
+# Proposals made and confirmed over the whole matrix, for the guard at the end.
+TOTALS = {"proposed": 0, "confirmed": 0, "dropped": 0}
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "mode", "scheduling", "k", "d"), CASES, indirect=["checkpoint"]
+)
+def test_speculation_equals_serial_reference(
+    checkpoint: Path, reference, mode: str, scheduling: str, k: int, d: int
+) -> None:  # type: ignore[no-untyped-def]
+    results = run_engine(
+        checkpoint, "full", mode, scheduling, len(PROMPTS), 5, speculative_config=speculative(k, d)
+    )
+    stats = RUN_STATS[checkpoint, "full", mode, scheduling, len(PROMPTS), 5]
+    TOTALS["proposed"] += stats.proposed_tokens
+    TOTALS["confirmed"] += stats.confirmed_tokens
+    TOTALS["dropped"] += stats.proposed_tokens - stats.confirmed_tokens
+    for index in range(len(PROMPTS)):
+        assert results[str(index)] == reference("full", mode, index), f"request {index}"
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "mode"),
+    [(4, "ouro"), (3, "trace"), ("nanbeige", "fixed")],
+    indirect=["checkpoint"],
+)
+def test_synchronous_reads_with_speculation(checkpoint: Path, reference, mode: str) -> None:  # type: ignore[no-untyped-def]
+    results = run_engine(
+        checkpoint,
+        "full",
+        mode,
+        "refill",
+        len(PROMPTS),
+        5,
+        async_scheduling=False,
+        speculative_config=speculative(4, 1),
+    )
+    for index in range(len(PROMPTS)):
+        assert results[str(index)] == reference("full", mode, index), f"request {index}"
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+@pytest.mark.parametrize(
+    ("checkpoint", "mode"), [(4, "ouro"), (4, "trace")], indirect=["checkpoint"]
+)
+def test_preempted_speculating_requests_keep_every_token(
+    checkpoint: Path, reference, mode: str, preemption_mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A small cache: speculating requests are preempted while their lanes run ahead."""
+    results = run_engine(
+        checkpoint,
+        "full",
+        mode,
+        "refill",
+        8,
+        5,
+        num_kv_pages=24,
+        preemption_mode=preemption_mode,
+        speculative_config=speculative(2, 1),
+    )
+    assert RUN_STATS[checkpoint, "full", mode, "refill", 8, 5].num_preemptions > 0
+    for index in range(8):
+        assert results[str(index)] == reference("full", mode, index), f"request {index}"
+
+
+@pytest.mark.parametrize("checkpoint", [4], indirect=True)
+def test_reserved_allocation_with_speculation(checkpoint: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    results = run_engine(
+        checkpoint,
+        "full",
+        "ouro",
+        "refill",
+        8,
+        5,
+        kv_allocation="reserve",
+        speculative_config=speculative(8, 1),
+    )
+    for index in range(8):
+        assert results[str(index)] == reference("full", "ouro", index), f"request {index}"
+
+
+def test_the_matrix_proposed_and_dropped_tokens() -> None:
+    """Guards the matrix against passing without speculating (runs after it, in file order)."""
+    assert TOTALS["proposed"] > 2000, TOTALS
+    assert TOTALS["confirmed"] > 200 and TOTALS["dropped"] > 1000, TOTALS
