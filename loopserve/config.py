@@ -56,6 +56,11 @@ class SpeculativeConfig:
     method: str = "draft_loops"
     num_speculative_tokens: int = 4
     draft_loops: int = 2
+    # Benchmarks only: keep each proposal with this probability (seeded per request and token)
+    # whatever the tokens, the proposal then standing for the token; outputs are not the
+    # model's. Random weights almost never propose the right token, so this is how a benchmark
+    # on them measures the mechanism at a given acceptance (recorded as such).
+    forced_acceptance: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -74,6 +79,12 @@ class SpeculativeConfig:
                 )
             if high is not None and value > high:
                 raise ValueError(f"speculative_config {name} must be at most {high}, got {value}")
+        forced = self.forced_acceptance
+        if forced is not None and not (isinstance(forced, (int, float)) and 0.0 <= forced <= 1.0):
+            raise ValueError(
+                f"speculative_config forced_acceptance must be a probability in [0, 1] (or "
+                f"null), got {forced!r}"
+            )
 
     def check_model(self, num_loops: int, family: str, num_stage_layers: int) -> None:
         """Refuse a model it cannot serve exactly."""

@@ -149,6 +149,8 @@ def _counters(before: EngineStats, after: EngineStats) -> EngineCounters:
         prefill_tokens=after.prefill_tokens - before.prefill_tokens,
         generated_tokens=after.generated_tokens - before.generated_tokens,
         preemptions=after.num_preemptions - before.num_preemptions,
+        proposed_tokens=after.proposed_tokens - before.proposed_tokens,
+        confirmed_tokens=after.confirmed_tokens - before.confirmed_tokens,
         prefix_hit_rate=_rate(
             after.prefix_hit_tokens - before.prefix_hit_tokens,
             after.prefix_query_tokens - before.prefix_query_tokens,

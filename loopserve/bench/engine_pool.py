@@ -52,6 +52,7 @@ class EngineSettings:
     batch_invariant: bool = False  # the engine setting of that name
     kv_cache_dtype: str = "auto"  # the engine settings of those names
     quantization: str = "none"
+    speculative_config: str | None = None  # the engine setting (JSON text), None: off
     timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
 
 
@@ -89,6 +90,7 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         kv_allocation=key.kv_allocation,
         preemption_mode=key.preemption_mode,
         batch_invariant=settings.batch_invariant,
+        speculative_config=settings.speculative_config,
     )
 
 

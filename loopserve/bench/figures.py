@@ -53,6 +53,8 @@ FIGURES = (
     "peak_running",
     "preemptions",
     "prefix_hit_rate",
+    "proposed_tokens",
+    "proposal_acceptance",
 )
 
 
@@ -117,6 +119,12 @@ def trial_figures(trial: TrialRecord, model: ModelBytes, ceilings: Ceilings) -> 
         "peak_running": trial.peak_running,
         "preemptions": counters.preemptions,
         "prefix_hit_rate": counters.prefix_hit_rate,
+        "proposed_tokens": counters.proposed_tokens,
+        "proposal_acceptance": (
+            counters.confirmed_tokens / counters.proposed_tokens
+            if counters.proposed_tokens
+            else None
+        ),
     }
     for name in ("ttft", "tpot", "itl"):
         figures[f"{name}_p50_ms"] = percentile(latencies[name], 50)

@@ -154,6 +154,13 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--temperature", type=float, default=1.0)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
+        "--speculative-config",
+        default=None,
+        help="the engine's speculative_config as JSON (docs/speculation.md); on random weights "
+        'add "forced_acceptance": P to measure the mechanism at acceptance P (outputs are '
+        "then not the model's, and the record says so)",
+    )
+    group.add_argument(
         "--batch-invariant",
         action="store_true",
         help="the engine's batch_invariant setting (CUDA: the down projection as a Triton "
@@ -368,6 +375,7 @@ def _engine_settings(
         seed=args.seed,
         trace_distribution=_trace_distribution(args, model),
         batch_invariant=args.batch_invariant,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from loopserve.bench.floor import FLOOR_METHOD, Ceilings, ModelBytes, per_token_floor_s
@@ -67,6 +68,9 @@ def engine_fields(built: BuiltEngine) -> Record:
         "async_scheduling": config.async_scheduling,
         "cuda_graphs_active": info.cuda_graphs,
         "batch_invariant": config.batch_invariant,
+        "speculative_config": (
+            None if scheduler.speculative_config is None else asdict(scheduler.speculative_config)
+        ),
     }
 
 

@@ -33,6 +33,8 @@ class EngineCounters:
     generated_tokens: int
     preemptions: int = 0
     prefix_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens admitted
+    proposed_tokens: int = 0  # speculation: proposals that got a decode row
+    confirmed_tokens: int = 0  # speculation: proposals found equal to the final token
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,12 +48,15 @@ from loopserve.runner.decode_step import (
     DecodeStep,
     SamplingKind,
 )
+from loopserve.sample.noise import uniform_noise
 
 # Columns the speculative record adds after the standard ones (decode_step.RESULT_COLUMNS and
 # the top log-probs): the exit loop of the token a row reports, whether its lane proposed a
 # token that got a lane this step, and whether the row's token was a proposal confirmed now.
 DEPTH, PROPOSED, CONFIRMED = range(3)
 EXTRA_COLUMNS = 3
+# Keeps `forced_acceptance` draws apart from the sampling noise of the same seed.
+FORCED_SALT = 0x5EC0_1A7E
 # Top log-prob alternatives a done lane keeps until it is reported (sampler's limit).
 MAX_TOP_LOGPROBS = 20
 
@@ -63,6 +66,7 @@ class SpeculativeLanes:
         self.decode = step
         self.lanes = lanes = config.lanes
         self.draft_loops = config.draft_loops
+        self.forced_acceptance = config.forced_acceptance
         device = step.device
         rows = slots * lanes
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -75,6 +79,13 @@ class SpeculativeLanes:
         self.head = torch.zeros(slots, dtype=torch.int64, device=device)  # oldest unfinished
         self._slot_of_row = torch.arange(rows, device=device) // lanes
         self._offsets = torch.arange(lanes, device=device)
+
+    def _forced(self, order: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+        """`forced_acceptance`: whether each lane's proposal is kept [rows, lanes], drawn from
+        the request's seed and the lane's output index (the same draw every step)."""
+        seeds = self.decode.seed[: order.numel()][order.reshape(-1)] ^ FORCED_SALT
+        draws = uniform_noise(seeds, outputs.reshape(-1), 1).reshape(order.shape)
+        return draws < self.forced_acceptance
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [
@@ -155,7 +166,7 @@ class SpeculativeLanes:
         # Down each slot's ring, from its oldest unfinished token: [rows, lanes] in that order.
         head = self.head[:rows]
         order = (head[:, None] + self._offsets[None, :]) % lanes
-        order = order + self._offsets.new_tensor(range(0, count, lanes))[:, None]
+        order = order + torch.arange(0, count, lanes, device=order.device)[:, None]
         live = active[order]
         finished = done[order]
         held = step.token[:count][order]
@@ -166,11 +177,16 @@ class SpeculativeLanes:
         limit = step.max_tokens[:count][order]
         stop_ids = step.stop_ids[:count][order]  # [rows, lanes, S], each slot's on every lane
         # 3. Drop lanes that follow a dropped lane or a done token they disagree with.
+        forced = self._forced(order, outputs) if self.forced_acceptance is not None else None
         confirmed = torch.zeros_like(live)
         for lane in range(1, lanes):
             before = lane - 1
-            agrees = ~finished[:, before] | (held[:, lane] == produced[:, before])
-            keep = live[:, lane] & live[:, before] & agrees
+            agrees = held[:, lane] == produced[:, before]
+            if forced is not None:  # benchmarks: the proposal stands for the token
+                agrees = torch.where(proposal[:, lane], forced[:, lane], agrees)
+                taken = agrees & finished[:, before] & live[:, lane]
+                produced[:, before] = torch.where(taken, held[:, lane], produced[:, before])
+            keep = live[:, lane] & live[:, before] & (~finished[:, before] | agrees)
             confirmed[:, lane] = keep & exited_now[:, before] & proposal[:, lane]
             live[:, lane] = keep
         # 4. Final tokens: done ones at the front, up to one that ends the request.
@@ -241,7 +257,9 @@ class SpeculativeLanes:
         step.waiting[:count] = torch.where(is_new, new_waits, following.waiting)
         step.active[:count] = lane_live | is_new
         self.done[:count] = lane_done & ~is_new
-        self.out_token[:count] = out_token
+        self.out_token[:count] = torch.zeros_like(out_token).scatter(
+            0, order.reshape(-1), produced.reshape(-1)
+        )
         self.out_depth[:count] = out_depth
         self.head[:rows] = head + num_reported
         return record

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from loopserve.config import EngineConfig
+from loopserve.engine.engine import Engine
+from loopserve.engine.stats import EngineStats
+from loopserve.sampling_params import SamplingParams
 from tests.e2e.test_engine_vs_reference import (
     MODES,
     NANBEIGE_MODES,
@@ -129,3 +133,44 @@ def test_the_matrix_proposed_and_dropped_tokens() -> None:
     """Guards the matrix against passing without speculating (runs after it, in file order)."""
     assert TOTALS["proposed"] > 2000, TOTALS
     assert TOTALS["confirmed"] > 200 and TOTALS["dropped"] > 1000, TOTALS
+
+
+@pytest.mark.parametrize("checkpoint", [4], indirect=True)
+def test_forced_acceptance_zero_drops_every_proposal(checkpoint: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """The benchmark trace at 0: every proposal dropped, right or not, so outputs are exact."""
+    config = speculative(4, 1) | {"forced_acceptance": 0.0}
+    results = run_engine(checkpoint, "full", "ouro", "refill", 8, 5, speculative_config=config)
+    stats = RUN_STATS[checkpoint, "full", "ouro", "refill", 8, 5]
+    assert stats.proposed_tokens > 30 and stats.confirmed_tokens == 0
+    for index in range(8):
+        assert results[str(index)] == reference("full", "ouro", index), f"request {index}"
+
+
+def test_forced_acceptance_keeps_that_share_of_proposals(tiny_checkpoint: Path) -> None:
+    """The benchmark trace at 0.85 on random weights: about 85 % of proposals kept (each then
+    stands for the token), every page freed, and a rerun gives the same outputs. One proposal
+    in flight at a time (K = 1), so each is judged on its own draw: with more, a dropped
+    proposal drops those after it too, and the share kept is lower than the draw's."""
+
+    def run() -> tuple[list[list[int]], EngineStats]:
+        config = speculative(1, 2) | {"forced_acceptance": 0.85}
+        engine = Engine(
+            EngineConfig.from_options(
+                model=str(tiny_checkpoint), num_kv_pages=256, speculative_config=config
+            )
+        )
+        params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, seed=3)
+        for index, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, params, request_id=str(index))
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = output.outputs[0].token_ids
+        assert all(len(tokens) == 48 for tokens in outputs.values())
+        return [outputs[str(index)] for index in range(len(PROMPTS))], engine.stats()
+
+    first, stats = run()
+    assert stats.proposed_tokens > 250 and stats.kv_pages_used == 0
+    assert 0.8 < stats.confirmed_tokens / stats.proposed_tokens < 0.9, stats
+    assert run()[0] == first

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Self-speculative decoding on one GPU in one call (docs/speculation.md).
+#   tests: tests/gpu/test_speculation_gpu.py (fp32 == reference, bf16 batch-invariant == plain,
+#          graphs == eager, no synchronisation)
+#   diffs: bf16 without batch_invariant, speculative against plain decoding on the random
+#          Ouro-1.4B: requests and tokens that differ, and where the first difference is
+#   bench: `bench offline` plain A B B A against speculative (scripts/gpu_ab.sh), on random
+#          weights with the benchmark-only acceptance trace (SPEC's forced_acceptance)
+# Usage: OUT=$OUT [PARTS=tests,diffs,bench] [SPEC=json] [BENCH_ARGS=...] bash scripts/gpu_speculation.sh
+# Writes: $OUT/tests.log, $OUT/diffs.json, and gpu_ab.sh's files (ab-*.jsonl, ab.md, ab.log).
+set -euo pipefail
+
+OUT="${OUT:-$PWD/speculation-out}"
+PARTS="${PARTS:-tests,diffs,bench}"
+DEFAULT_SPEC='{"num_speculative_tokens":4,"draft_loops":2,"forced_acceptance":0.85}'
+SPEC="${SPEC:-$DEFAULT_SPEC}"
+PYTHON="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+if [[ ",$PARTS," == *",tests,"* ]]; then
+  "$PYTHON" -m pytest -q -m gpu tests/gpu/test_speculation_gpu.py -p no:cacheprovider \
+    >"$OUT/tests.log" 2>&1 || echo "tests failed (rc $?)" | tee -a "$OUT/tests.log"
+  tail -3 "$OUT/tests.log"
+fi
+
+if [[ ",$PARTS," == *",diffs,"* ]]; then
+  "$PYTHON" - "$OUT/diffs.json" <<'PY'
+import json, sys
+from loopserve.bench.checkpoint_cache import ensure_random_checkpoint
+from loopserve.config import EngineConfig
+from loopserve.engine.engine import Engine
+from loopserve.sampling_params import SamplingParams
+import torch
+
+model = str(ensure_random_checkpoint())
+generator = torch.Generator().manual_seed(0)
+prompts = [torch.randint(0, 49152, (int(n),), generator=generator).tolist()
+           for n in torch.randint(16, 512, (32,), generator=generator)]
+params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, exit_threshold=0.6)
+report = {}
+for invariant in (True, False):
+    outputs = {}
+    for speculative in (None, {"num_speculative_tokens": 4, "draft_loops": 2}):
+        engine = Engine(EngineConfig.from_options(
+            model=model, device="cuda", dtype="bfloat16", max_num_seqs=32,
+            batch_invariant=invariant, speculative_config=speculative, num_kv_pages=8192))
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].exit_depths)
+        outputs[speculative is not None] = [done[i] for i in ids]
+        stats = engine.stats()
+        del engine
+        torch.cuda.empty_cache()
+    plain, spec = outputs[False], outputs[True]
+    first = [next((i for i, (a, b) in enumerate(zip(p[0], s[0])) if a != b), None)
+             for p, s in zip(plain, spec)]
+    report["batch_invariant" if invariant else "default"] = {
+        "requests_differing": sum(p != s for p, s in zip(plain, spec)),
+        "requests": len(plain),
+        "first_difference_at": [f for f in first if f is not None],
+        "proposed": stats.proposed_tokens, "confirmed": stats.confirmed_tokens,
+    }
+print(json.dumps(report, indent=1))
+json.dump(report, open(sys.argv[1], "w"), indent=1)
+PY
+fi
+
+if [[ ",$PARTS," == *",bench,"* ]]; then
+  OUT="$OUT" A_ARGS="" B_ARGS="--speculative-config $SPEC" LABELS=plain,speculative \
+    bash scripts/gpu_ab.sh
+  cat "$OUT/ab.md"
+fi
