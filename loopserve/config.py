@@ -227,6 +227,16 @@ class SchedulerConfig:
         "full; docs/speculation.md)",
     )
 
+    @property
+    def lanes(self) -> int:
+        """Decode rows per request slot: one, or one per token a speculating request has in
+        flight (`SpeculativeConfig.lanes`)."""
+        return 1 if self.speculative_config is None else self.speculative_config.lanes
+
+    @property
+    def max_decode_rows(self) -> int:
+        return self.max_num_seqs * self.lanes
+
     def __post_init__(self) -> None:
         _coerce_enums(self)
         _check_finite(self)

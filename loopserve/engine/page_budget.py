@@ -24,8 +24,7 @@ class PageBudget:
         self.reserve = config.kv_allocation is KVAllocation.RESERVE
         self.kv = kv
         self.watermark = math.ceil(config.kv_watermark * kv.num_usable_pages)
-        speculative = config.speculative_config
-        self.lanes = speculative.lanes if speculative is not None else 1
+        self.lanes = config.lanes
 
     def pages_needed(self, request: Request) -> int:
         """Every page the request can ever hold at once."""

@@ -52,6 +52,7 @@ class BlockTables:
         max_pages: int,
         block_size: int,
         device: torch.device,
+        max_decode_rows: int | None = None,  # default: one per slot
     ) -> None:
         self.block_size = block_size
         self.device = device
@@ -60,7 +61,8 @@ class BlockTables:
             (max_num_seqs, num_planes, max_pages), NULL_PAGE, dtype=torch.int32, device=device
         )
         # One query per decode row: the same starts every step (a view, no launch).
-        self._query_start = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
+        rows = max_decode_rows if max_decode_rows is not None else max_num_seqs
+        self._query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
 
     def apply(self, updates: Sequence[PageTableUpdate], cleared_slots: Sequence[int]) -> None:
         """Clear freed slots first (a slot may be reused by this very step), then add pages.

@@ -110,8 +110,8 @@ class DecodeStep:
         # Decode rows per request slot: 1, or one per token a speculating request has in flight
         # (its lanes, runner/speculation.py); row r belongs to slot r // lanes.
         speculative = config.speculative_config
-        self.lanes = lanes = speculative.lanes if speculative is not None else 1
-        slots = config.max_num_seqs * lanes
+        self.lanes = config.lanes
+        slots = config.max_decode_rows
 
         def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
             return torch.zeros((slots, *shape), dtype=dtype, device=device)

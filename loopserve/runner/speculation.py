@@ -39,16 +39,12 @@ from loopserve.depth import policy
 from loopserve.engine.scheduler_output import SlotStart
 from loopserve.kv.transfer import to_device
 from loopserve.runner.decode_step import (
-    EXITED,
-    LOOP,
-    RAN,
+    LOGPROB,
     RESULT_COLUMNS,
-    STOPPED,
-    TOKEN,
     DecodeStep,
     SamplingKind,
 )
-from loopserve.sample.noise import uniform_noise
+from loopserve.sample.noise import uniform_draws
 
 # Columns the speculative record adds after the standard ones (decode_step.RESULT_COLUMNS and
 # the top log-probs): the exit loop of the token a row reports, whether its lane proposed a
@@ -84,7 +80,8 @@ class SpeculativeLanes:
         """`forced_acceptance`: whether each lane's proposal is kept [rows, lanes], drawn from
         the request's seed and the lane's output index (the same draw every step)."""
         seeds = self.decode.seed[: order.numel()][order.reshape(-1)] ^ FORCED_SALT
-        draws = uniform_noise(seeds, outputs.reshape(-1), 1).reshape(order.shape)
+        draws = uniform_draws(seeds, outputs.reshape(-1), 1).reshape(order.shape)
+        assert self.forced_acceptance is not None
         return draws < self.forced_acceptance
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -167,99 +164,96 @@ class SpeculativeLanes:
         head = self.head[:rows]
         order = (head[:, None] + self._offsets[None, :]) % lanes
         order = order + torch.arange(0, count, lanes, device=order.device)[:, None]
+        flat = order.reshape(-1)
         live = active[order]
         finished = done[order]
         held = step.token[:count][order]
         produced = out_token[order]
         proposal = self.proposal[:count][order]
-        exited_now = exited[order]
         outputs = step.output_count[:count][order]  # output index of each lane's next token
         limit = step.max_tokens[:count][order]
         stop_ids = step.stop_ids[:count][order]  # [rows, lanes, S], each slot's on every lane
-        # 3. Drop lanes that follow a dropped lane or a done token they disagree with.
-        forced = self._forced(order, outputs) if self.forced_acceptance is not None else None
-        confirmed = torch.zeros_like(live)
-        for lane in range(1, lanes):
-            before = lane - 1
-            agrees = held[:, lane] == produced[:, before]
-            if forced is not None:  # benchmarks: the proposal stands for the token
-                agrees = torch.where(proposal[:, lane], forced[:, lane], agrees)
-                taken = agrees & finished[:, before] & live[:, lane]
-                produced[:, before] = torch.where(taken, held[:, lane], produced[:, before])
-            keep = live[:, lane] & live[:, before] & (~finished[:, before] | agrees)
-            confirmed[:, lane] = keep & exited_now[:, before] & proposal[:, lane]
-            live[:, lane] = keep
+
+        def before(values: torch.Tensor) -> torch.Tensor:
+            """Each lane's predecessor's value (False / 0 for the first lane)."""
+            return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
+
+        # 3. Keep a lane while every lane before it is kept and agrees with a done predecessor.
+        agrees = held == before(produced)
+        if self.forced_acceptance is not None:  # benchmarks: the proposal stands for the token
+            agrees = torch.where(proposal, self._forced(order, outputs), agrees)
+        finished_before = before(finished)
+        live = (live & (~finished_before | agrees)).long().cumprod(dim=1).bool()
+        confirmed = live & before(exited[order]) & proposal
+        if self.forced_acceptance is not None:
+            taken = (live & finished_before & proposal)[:, 1:]
+            produced[:, :-1] = torch.where(taken, held[:, 1:], produced[:, :-1])
         # 4. Final tokens: done ones at the front, up to one that ends the request.
         ends = (produced[:, :, None] == stop_ids).any(-1) | (outputs + 1 >= limit)
-        reported = torch.zeros_like(live)
-        stopped = torch.zeros_like(live)
-        going = torch.ones_like(live[:, 0])
-        for lane in range(lanes):
-            reported[:, lane] = going & live[:, lane] & finished[:, lane]
-            stopped[:, lane] = reported[:, lane] & ends[:, lane]
-            going = reported[:, lane] & ~ends[:, lane]
+        reported = (live & finished & ~before(ends)).long().cumprod(dim=1).bool()
+        stopped = reported & ends
         num_reported = reported.sum(1)
         slot_stopped = stopped.any(1)
         # 5. The next position's lane: after a done token (exact) or a proposal made now.
         num_live = live.sum(1)
         last = (num_live - 1).clamp(min=0)[:, None]
-        last_done = finished.gather(1, last).squeeze(1) & (num_live > 0)
-        last_proposes = proposes[order].gather(1, last).squeeze(1) & (num_live > 0)
-        last_proposes &= live.gather(1, last).squeeze(1)
-        drafted = sampled.tokens[order].gather(1, last).squeeze(1)
-        token = torch.where(last_done, produced.gather(1, last).squeeze(1), drafted)
-        index = outputs.gather(1, last).squeeze(1)
+
+        def at_last(values: torch.Tensor) -> torch.Tensor:
+            return values.gather(1, last).squeeze(1)
+
+        any_live = num_live > 0
+        last_done = at_last(finished) & any_live
+        last_proposes = at_last(proposes[order]) & any_live
+        token = torch.where(last_done, at_last(produced), at_last(sampled.tokens[order]))
+        index = at_last(outputs)
         ends_next = (token[:, None] == stop_ids[:, 0]).any(-1) | (index + 1 >= limit[:, 0])
         room = num_live - num_reported < lanes
         spawn = (last_done | last_proposes) & room & ~slot_stopped & ~ends_next
         target = order.gather(1, (num_live % lanes)[:, None]).squeeze(1)  # [rows] lane row
 
-        # Record (in ring order), then the lanes' new state.
-        record = kept[order.reshape(-1)].clone()
-        record[:, RAN] = ran[order].reshape(-1).float()
-        record[:, LOOP] = row.loop[order].reshape(-1).float()
-        record[:, EXITED] = reported.reshape(-1).float()
-        record[:, TOKEN] = produced.reshape(-1).float()
-        record[:, STOPPED] = stopped.reshape(-1).float()
-        extra = torch.stack(
+        # The record, in ring order (columns RAN, LOOP, EXITED, TOKEN, STOPPED, then the kept
+        # exit's LOGPROB and top log-probs, then the extra ones): this step's loop per lane, the
+        # reported tokens.
+        proposed = torch.zeros_like(live).scatter(1, last, (spawn & last_proposes)[:, None])
+        columns = [ran[order], row.loop[order], reported, produced, stopped]
+        columns = [c.reshape(-1).float() for c in columns]
+        kept_now = kept[flat]
+        extra = torch.stack([out_depth[order], proposed, confirmed], dim=2)
+        record = torch.cat(
             [
-                out_depth[order],
-                torch.zeros_like(live).scatter(1, last, (spawn & last_proposes)[:, None]),
-                confirmed,
+                torch.stack(columns, 1),
+                kept_now[:, LOGPROB:],
+                extra.reshape(count, EXTRA_COLUMNS).float(),
             ],
-            dim=2,
-        ).reshape(count, EXTRA_COLUMNS)
-        record = torch.cat([record, extra.float()], dim=1)
+            dim=1,
+        )
+
+        # The lanes' new state.
+        def by_lane(values: torch.Tensor) -> torch.Tensor:
+            """[rows, lanes] in ring order -> [count] by lane row."""
+            return torch.empty_like(values.reshape(-1)).scatter(0, flat, values.reshape(-1))
 
         remaining = live & ~reported & ~slot_stopped[:, None]
-        lane_live = torch.zeros_like(active).scatter(0, order.reshape(-1), remaining.reshape(-1))
-        lane_done = torch.zeros_like(active).scatter(
-            0, order.reshape(-1), (remaining & finished).reshape(-1)
-        )
         is_new = torch.zeros_like(active).scatter(0, target, spawn)
-        new_value = torch.zeros_like(position)
 
         def spawned(values: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-            return torch.where(is_new, new_value.scatter(0, target, values), current)
+            return torch.where(
+                is_new, torch.zeros_like(current).scatter(0, target, values), current
+            )
 
         step.token[:count] = spawned(token, step.token[:count])
         step.position[:count] = spawned(head + num_live, position)
         step.output_count[:count] = spawned(index + 1, step.output_count[:count])
-        self.proposal[:count] = torch.where(
-            is_new, torch.zeros_like(active).scatter(0, target, ~last_done), self.proposal[:count]
-        )
+        self.proposal[:count] = spawned(~last_done, self.proposal[:count])
         step.loop[:count] = torch.where(is_new, 1, following.loop)
         step.survival[:count] = torch.where(is_new, 1.0, following.survival)
         step.stop_next[:count] = following.stop_next & ~is_new
-        no_refill = step.scheduling is policy.Scheduling.NO_REFILL
         # Under no_refill an exact successor waits for its cohort; a proposal runs at once.
-        new_waits = torch.zeros_like(active).scatter(0, target, last_done) & no_refill
-        step.waiting[:count] = torch.where(is_new, new_waits, following.waiting)
-        step.active[:count] = lane_live | is_new
-        self.done[:count] = lane_done & ~is_new
-        self.out_token[:count] = torch.zeros_like(out_token).scatter(
-            0, order.reshape(-1), produced.reshape(-1)
-        )
+        waits = last_done & (step.scheduling is policy.Scheduling.NO_REFILL)
+        step.waiting[:count] = spawned(waits, following.waiting)
+        step.active[:count] = by_lane(remaining) | is_new
+        self.done[:count] = by_lane(remaining & finished) & ~is_new
+        self.out_token[:count] = by_lane(produced)
         self.out_depth[:count] = out_depth
         self.head[:rows] = head + num_reported
         return record

@@ -49,13 +49,15 @@ def unit_interval(bits: torch.Tensor) -> torch.Tensor:
     return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
-def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel draws [R, V] fp32: argmax(logits + g) samples softmax(logits). On CUDA
-    with triton the uniform draws come from the hash's one-launch twin (the same bits)."""
+def uniform_draws(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`uniform_noise`; on CUDA with triton from the hash's one-launch twin (the same bits)."""
     if compiled_for(seeds):
         from loopserve.kernels.noise import uniform_noise as fused_uniform_noise
 
-        uniform = fused_uniform_noise(seeds, counters, vocab_size)
-    else:
-        uniform = uniform_noise(seeds, counters, vocab_size)
-    return -torch.log(-torch.log(uniform))
+        return fused_uniform_noise(seeds, counters, vocab_size)
+    return uniform_noise(seeds, counters, vocab_size)
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel draws [R, V] fp32: argmax(logits + g) samples softmax(logits)."""
+    return -torch.log(-torch.log(uniform_draws(seeds, counters, vocab_size)))
