@@ -184,8 +184,7 @@ class DecodeStep:
         """Write the state of newly started slots (one small copy per field; a speculating
         slot's settings go to each of its lanes, its token to the lane of its position)."""
         index = self._long(self.lane_rows([s.slot for s in starts]))
-        starts_per_row = [s for s in starts for _ in range(self.lanes)]
-        self._start_rows(index, starts_per_row)
+        self._start_rows(index, starts)
         if self.speculation is not None:
             self.speculation.start(index, starts)
         for start in starts:
@@ -195,6 +194,7 @@ class DecodeStep:
             self._filter_host[start.slot] = needs_filter(param, self.vocab_size)
 
     def _start_rows(self, index: torch.Tensor, starts: list[SlotStart]) -> None:
+        """`index`: each start's `lanes` rows; every value is uploaded once per start."""
         resolved = [s.params for s in starts]
         params = [r.params for r in resolved]
         self._put(self.token, index, [s.token for s in starts])
@@ -239,7 +239,11 @@ class DecodeStep:
         return to_device(values, torch.int64, self.device)
 
     def _put(self, target: torch.Tensor, index: torch.Tensor, values: list[Any]) -> None:
-        target[index] = to_device(values, target.dtype, self.device)
+        """One value per start into each of its `lanes` rows (`index`)."""
+        uploaded = to_device(values, target.dtype, self.device)
+        if self.lanes > 1:
+            uploaded = uploaded.repeat_interleave(self.lanes, dim=0)
+        target[index] = uploaded
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything `step` mutates besides the KV cache (for snapshots around graph capture)."""
