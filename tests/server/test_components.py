@@ -98,7 +98,7 @@ class FakeEngine:
             mean_rows_per_decode_step=0.0, row_loops_by_loop={}, rows_per_step={},
             prefill_tokens=0, generated_tokens=0, num_preemptions=3, recomputed_tokens=5,
             prefix_cache_hit_rate=0.25,
-            prefix_hit_tokens=16, prefix_query_tokens=64,
+            prefix_hit_tokens=16, prefix_query_tokens=64, proposed_tokens=7, confirmed_tokens=6,
         )  # fmt: skip
 
 
@@ -192,23 +192,42 @@ def test_stop_aborts_running_requests() -> None:
     assert engine.aborted == ["r0"] and not engine.running
 
 
-def test_choice_state_sends_a_delta_per_output_that_adds_tokens() -> None:
+def test_choice_state_sends_a_delta_per_token_an_output_adds() -> None:
     state = ChoiceState()
-    sent = [state.delta(_output("r", tokens, text, finished)) for tokens, text, finished in [
+    sent = [state.deltas(_output("r", tokens, text, finished)) for tokens, text, finished in [
         (1, "ab", False), (2, "ab", False), (2, "ab", False), (3, "ab", True)
     ]]  # fmt: skip
-    assert [delta.text if delta else None for delta in sent] == ["ab", "", None, ""]
-    assert [len(delta.exit_depths) if delta else 0 for delta in sent] == [1, 1, 0, 1]
-    assert sent[-1] is not None and sent[-1].finish_reason == "length"
-    assert state.delta(_output("r", 3, "ab", True)) is None  # nothing after the last delta
+    assert [[delta.text for delta in deltas] for deltas in sent] == [["ab"], [""], [], [""]]
+    assert [len(deltas) for deltas in sent] == [1, 1, 0, 1]
+    assert sent[-1][0].finish_reason == "length"
+    assert state.deltas(_output("r", 3, "ab", True)) == []  # nothing after the last delta
+
+
+def test_several_tokens_of_one_output_are_a_delta_each() -> None:
+    """A speculating engine's output may carry several tokens: one event each, the new text
+    with the last, the finish reason on the last."""
+    state = ChoiceState()
+    assert [d.token_ids for d in state.deltas(_output("r", 1, "a", False))] == [[0]]
+    deltas = state.deltas(_output("r", 4, "abcd", True))
+    assert [d.token_ids for d in deltas] == [[1], [2], [3]]
+    assert [d.exit_depths for d in deltas] == [[4], [4], [4]]
+    assert [d.text for d in deltas] == ["", "", "bcd"]
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+
+
+def test_a_finish_without_a_token_is_one_delta() -> None:
+    state = ChoiceState()
+    state.deltas(_output("r", 2, "ab", False))
+    [delta] = state.deltas(_output("r", 2, "ab", True, reason="abort"))
+    assert (delta.token_ids, delta.finish_reason) == ([], "abort")
 
 
 def test_choice_state_carries_tokens_without_visible_text() -> None:
     state = ChoiceState()
-    first = state.delta(_output("r", 1, "", False))  # half a UTF-8 character: no text yet
-    assert first is not None and first.text == "" and first.token_ids == [0]
-    delta = state.delta(_output("r", 2, "é", False))
-    assert delta is not None and delta.text == "é" and delta.token_ids == [1]
+    [first] = state.deltas(_output("r", 1, "", False))  # half a UTF-8 character: no text yet
+    assert first.text == "" and first.token_ids == [0]
+    [delta] = state.deltas(_output("r", 2, "é", False))
+    assert delta.text == "é" and delta.token_ids == [1]
 
 
 def test_histogram_and_metrics_render_prometheus_text() -> None:
@@ -229,6 +248,8 @@ def test_histogram_and_metrics_render_prometheus_text() -> None:
     assert "loopserve:recomputed_tokens_total 5" in rendered
     assert "loopserve:prefix_cache_hit_rate 0.25" in rendered
     assert "loopserve:prefix_cache_hits_total 16" in rendered
+    assert "loopserve:spec_decode_num_draft_tokens_total 7" in rendered
+    assert "loopserve:spec_decode_num_accepted_tokens_total 6" in rendered
 
 
 def test_chat_templates() -> None:

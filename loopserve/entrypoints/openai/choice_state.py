@@ -1,13 +1,13 @@
 """What one streamed choice has sent, and the delta each engine output adds.
 
-Owns: turning a request's cumulative `RequestOutput`s into deltas, one per engine output that
-adds tokens or finishes the choice (as vLLM streams: an event per token, its text possibly
-empty): the text not yet sent and the tokens, exit depths and log-probs generated since the last
-delta. The engine's text only grows (its detokenizer holds back half characters and the possible
-start of a stop string until they are settled), so a delta's text is the text beyond what was
-sent, and may be empty while tokens arrive (held-back text, or a model without a tokenizer).
-Slicing the cumulative text costs O(new text) per delta. Must not: decode tokens, look for stop
-strings (the engine's incremental detokenizer does both) or format chunks.
+Owns: turning a request's cumulative `RequestOutput`s into deltas, one per token an engine
+output adds, or one where it finishes the choice (as vLLM streams: an event per token, its text
+possibly empty): the text not yet sent and the tokens, exit depths and log-probs generated
+since the last delta. The engine's text only grows (its detokenizer holds back half characters
+and the possible start of a stop string until they are settled), so a delta's text is the text
+beyond what was sent, and may be empty while tokens arrive (held-back text, or a model without
+a tokenizer). Slicing the cumulative text costs O(new text) per delta. Must not: decode tokens,
+look for stop strings (the engine's incremental detokenizer does both) or format chunks.
 """
 
 from __future__ import annotations
@@ -33,22 +33,35 @@ class ChoiceState:
         self._num_tokens_sent = 0
         self._done = False
 
-    def delta(self, output: RequestOutput) -> ChoiceDelta | None:
-        """What `output` adds since the last delta; None where it adds no token and does not
-        finish the choice. Every output of the choice must pass through here, in order."""
+    def deltas(self, output: RequestOutput) -> list[ChoiceDelta]:
+        """What `output` adds since the last delta, one delta per new token (a speculating
+        engine's output may carry several; the new text goes with the last of them); none
+        where it adds no token and does not finish the choice. Every output of the choice must
+        pass through here, in order."""
         sequence = output.outputs[0]
         start = self._num_tokens_sent
-        if self._done or (len(sequence.token_ids) == start and not sequence.finished):
-            return None
+        end = len(sequence.token_ids)
+        if self._done or (end == start and not sequence.finished):
+            return []
         text = sequence.text[self._num_chars_sent :]
         self._num_chars_sent = len(sequence.text)
-        self._num_tokens_sent = len(sequence.token_ids)
+        self._num_tokens_sent = end
         self._done = sequence.finished
-        return ChoiceDelta(
-            text=text,
-            token_ids=sequence.token_ids[start:],
-            exit_depths=sequence.exit_depths[start:],
-            logprobs=sequence.logprobs[start:] if sequence.logprobs is not None else None,
-            finish_reason=sequence.finish_reason if sequence.finished else None,
-            stop_reason=sequence.stop_reason,
-        )
+        cuts = list(range(start, end)) or [start]  # a finish without a new token: one delta
+        deltas = []
+        for index in cuts:
+            last = index == cuts[-1]
+            stop = index + 1 if end > start else start
+            deltas.append(
+                ChoiceDelta(
+                    text=text if last else "",
+                    token_ids=sequence.token_ids[index:stop],
+                    exit_depths=sequence.exit_depths[index:stop],
+                    logprobs=(
+                        sequence.logprobs[index:stop] if sequence.logprobs is not None else None
+                    ),
+                    finish_reason=sequence.finish_reason if sequence.finished and last else None,
+                    stop_reason=sequence.stop_reason if last else None,
+                )
+            )
+        return deltas

@@ -132,6 +132,11 @@ class ServerMetrics:
              stats.prefix_query_tokens),
             ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
              stats.prefix_hit_tokens),
+            ("spec_decode_num_draft_tokens_total",
+             "Speculation: proposed tokens that got a decode row.", stats.proposed_tokens),
+            ("spec_decode_num_accepted_tokens_total",
+             "Speculation: proposed tokens found equal to the final token.",
+             stats.confirmed_tokens),
         ]  # fmt: skip
         lines: list[str] = []
         for name, help_text, value in gauges:

@@ -86,14 +86,13 @@ async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
 async def choice_deltas(
     generation: Generation, plans: Sequence[ChoicePlan]
 ) -> AsyncIterator[tuple[ChoicePlan, ChoiceDelta]]:
-    """Per-choice deltas as outputs arrive: one per engine output that adds tokens to a choice
-    or finishes it, in arrival order (so a stream carries an event per generated token)."""
+    """Per-choice deltas as outputs arrive: one per token an engine output adds to a choice, or
+    one that finishes it, in arrival order (so a stream carries an event per generated token)."""
     by_id = {plan.request.request_id: plan for plan in plans}
     states = {request_id: ChoiceState() for request_id in by_id}
     async for batch in generation.batches():
         for output in batch:
-            delta = states[output.request_id].delta(output)
-            if delta is not None:
+            for delta in states[output.request_id].deltas(output):
                 yield by_id[output.request_id], delta
 
 
