@@ -61,6 +61,10 @@ class SpeculativeConfig:
     # model's. Random weights almost never propose the right token, so this is how a benchmark
     # on them measures the mechanism at a given acceptance (recorded as such).
     forced_acceptance: float | None = None
+    # vLLM's name: speculation is off in steps where more requests than this decode (their
+    # tokens then run as without speculation; None: never off). Measured on the H200 with
+    # Ouro-1.4B (docs/speculation.md), speculating lost from 8 requests on.
+    disable_by_batch_size: int | None = 2
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -79,6 +83,14 @@ class SpeculativeConfig:
                 )
             if high is not None and value > high:
                 raise ValueError(f"speculative_config {name} must be at most {high}, got {value}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        ):
+            raise ValueError(
+                f"speculative_config disable_by_batch_size must be an integer >= 1 (or null: "
+                f"never off), got {limit!r}"
+            )
         forced = self.forced_acceptance
         if forced is not None and not (isinstance(forced, (int, float)) and 0.0 <= forced <= 1.0):
             raise ValueError(

@@ -79,6 +79,8 @@ class Scheduler:
         self._dropped_swaps: list[str] = []
         self._pinned_swap_pages = pinned_swap_pages
         self._replays = replays and config.kv_layout is KVLayout.FULL
+        # Speculation: whether decoding tokens run in the speculating decode step now.
+        self._speculating = config.speculative_config is not None
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -154,13 +156,21 @@ class Scheduler:
         return dict(self._decoding)
 
     @property
+    def speculating(self) -> bool:
+        """Whether decoding tokens run in the speculating decode step now."""
+        return self._speculating
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def needs_sync(self) -> bool:
         """Whether the next step must see every earlier step's results first: it runs a prompt
-        chunk, or it may have to preempt (which must know where each token stands)."""
+        chunk, it may have to preempt (which must know where each token stands), or it switches
+        speculation on or off (which starts every decoding token again)."""
         if any(request.is_prefilling for request in self.running):
+            return True
+        if self._speculation_wanted() != self._speculating:
             return True
         if (
             self.waiting
@@ -177,6 +187,7 @@ class Scheduler:
         self.stats.steps += 1
         output = SchedulerOutput(step=self.stats.steps)
         output.cleared_slots, self._pending_clears = self._pending_clears, []
+        self._switch_speculation(output)
         for request in self._by_rank(self.running):
             if request.status is RequestStatus.RUNNING and request.is_decoding:
                 self._cover_decode(request, output)
@@ -198,6 +209,33 @@ class Scheduler:
         output.slot_starts, self._starts = self._starts, []
         output.decode_slots = self.decode_slots
         return output
+
+    def _speculation_wanted(self) -> bool:
+        """Speculate while at most `disable_by_batch_size` requests decode."""
+        speculative = self.config.speculative_config
+        if speculative is None:
+            return False
+        limit = speculative.disable_by_batch_size
+        return limit is None or sum(r.is_decoding for r in self.running) <= limit
+
+    def _switch_speculation(self, output: SchedulerOutput) -> None:
+        """Turn speculation on or off for this step and later ones. A switch empties the other
+        decode step and starts every decoding request's token again at loop 1 in this one (its
+        proposals are dropped), which recomputes it exactly; the engine read every earlier
+        step back first (`needs_sync`)."""
+        wanted = self._speculation_wanted()
+        output.speculate = wanted
+        if wanted == self._speculating:
+            return
+        self._speculating = wanted
+        output.switched = True
+        self.stats.speculation_switches += 1
+        self._stops = []  # the other step is emptied whole
+        decoding = [r for r in self.running if r.slot is not None and r.slot in self._decoding]
+        restarted = {request.slot for request in decoding}
+        self._starts = [start for start in self._starts if start.slot not in restarted]
+        for request in decoding:
+            self._start_slot(request)
 
     def _by_rank(self, requests: list[Request]) -> list[Request]:
         """Most important first: urgent (passed over too often), then priority, then arrival."""

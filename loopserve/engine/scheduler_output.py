@@ -105,6 +105,11 @@ class SchedulerOutput:
     decode_slots: dict[int, str] = field(default_factory=dict)
     # Applied after the starts: bitmasks of constrained slots that started or learned a token.
     token_masks: list[TokenMask] = field(default_factory=list)
+    # Speculation (`speculative_config`): whether this step's slots are a speculating decode
+    # step's (its lanes) or the plain one's, and whether the other one is emptied first (the
+    # mode switched: every decoding request's token is started again in this one).
+    speculate: bool = False
+    switched: bool = False
 
     @property
     def runs_decode(self) -> bool:

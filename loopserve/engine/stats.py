@@ -24,6 +24,7 @@ class SchedulerStats:
     # Speculation: proposed tokens that got a decode row, and those equal to the final token.
     proposed_tokens: int = 0
     confirmed_tokens: int = 0
+    speculation_switches: int = 0  # steps that turned speculation on or off
     # Prompt tokens looked up in the prefix cache, and those found there.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -68,6 +69,8 @@ class EngineStats:
     # equal to the final token, and the share confirmed (0 without speculation).
     proposed_tokens: int = 0
     confirmed_tokens: int = 0
+    speculating: bool = False  # the last step ran the speculating decode step
+    speculation_switches: int = 0  # steps that turned speculation on or off (disable_by_batch_size)
 
     @property
     def proposal_acceptance_rate(self) -> float:

@@ -175,6 +175,13 @@ class DecodeStep:
         if self.speculation is not None:
             self.speculation.stop(index)
 
+    def stop_all(self) -> None:
+        """Stop every slot (the engine switched to its other decode step)."""
+        self.active.fill_(False)
+        self.waiting.fill_(False)
+        if self.speculation is not None:
+            self.speculation.stop(torch.arange(self.active.shape[0], device=self.device))
+
     def lane_rows(self, slots: list[int]) -> list[int]:
         """The decode rows of `slots` (one each unless requests speculate)."""
         lanes = self.lanes

@@ -103,6 +103,12 @@ def _decode_result(record: torch.Tensor, counts: list[int | None], lanes: int) -
 
 
 class ModelRunner:
+    """Args:
+    decode: the decode step (and `graphs`, its CUDA graphs).
+    speculating: with a `speculative_config`, the decode step of speculating requests' lanes
+        and its graphs; a step runs one of the two (`SchedulerOutput.speculate`).
+    """
+
     def __init__(
         self,
         model: LoopedForCausalLM,
@@ -112,6 +118,7 @@ class ModelRunner:
         swap: HostSwap,
         info: RunnerInfo,
         graphs: GraphedDecodeStep | None = None,
+        speculating: tuple[DecodeStep, GraphedDecodeStep | None] | None = None,
     ) -> None:
         self.model = model
         self.block_tables = block_tables
@@ -119,6 +126,7 @@ class ModelRunner:
         self.prompts = prompts
         self.swap = swap
         self.graphs = graphs
+        self.speculating = speculating
         self.device = block_tables.device
         self._info = info
 
@@ -133,29 +141,45 @@ class ModelRunner:
         self.block_tables.apply(scheduled.page_updates, scheduled.cleared_slots)
         self.swap.restore(scheduled.swap_in)
         self.swap.drop(scheduled.dropped_swaps)
-        record, event, counts = self._run_decode(scheduled)
+        step, graphs = self._mode(scheduled)
+        record, event, counts = self._run_decode(scheduled, step, graphs)
         prefill_tokens: list[SampledToken | None] = []
         if scheduled.prefill_chunks:
             prefill_tokens = self.prompts.run(scheduled.prefill_chunks)
         output = RunnerOutput(prefill_tokens)
-        return PendingOutput(output, record, event, counts, self.decode.lanes)
+        return PendingOutput(output, record, event, counts, step.lanes)
+
+    def _mode(self, scheduled: SchedulerOutput) -> tuple[DecodeStep, GraphedDecodeStep | None]:
+        """The decode step this step runs (emptying the other one when the mode switched)."""
+        plain = (self.decode, self.graphs)
+        if self.speculating is None:
+            if scheduled.speculate:
+                raise RuntimeError("a speculating step for a runner built without speculation")
+            return plain
+        chosen, other = (
+            (self.speculating, plain) if scheduled.speculate else (plain, self.speculating)
+        )
+        if scheduled.switched:
+            other[0].stop_all()
+        return chosen
 
     def _run_decode(
-        self, scheduled: SchedulerOutput
+        self, scheduled: SchedulerOutput, step: DecodeStep, graphs: GraphedDecodeStep | None
     ) -> tuple[torch.Tensor | None, torch.cuda.Event | None, list[int | None]]:
         """Slot stops, slot starts, token bitmasks, then one loop over the slots, copied out
         asynchronously."""
         if scheduled.slot_stops:
-            self.decode.stop(scheduled.slot_stops)
+            step.stop(scheduled.slot_stops)
         if scheduled.slot_starts:
-            self.decode.start(scheduled.slot_starts)
-        self.decode.masks.apply(scheduled.token_masks)
+            step.start(scheduled.slot_starts)
+        step.masks.apply(scheduled.token_masks)
         if not scheduled.runs_decode:
             return None, None, []
         slots = list(scheduled.decode_slots)
         rows = max(slots) + 1
-        record = self.run_decode_step(rows, self.decode.sampling_kind(slots))
-        counts = self.decode.row_logprob_counts(self.decode.record_rows(rows))
+        kind = step.sampling_kind(slots)
+        record = graphs.run(rows, kind) if graphs is not None else step.step(rows, kind)
+        counts = step.row_logprob_counts(step.record_rows(rows))
         if self.device.type != "cuda":
             return record, None, counts
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)

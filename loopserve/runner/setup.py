@@ -187,11 +187,15 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
     traced = scheduler.exit_mode is ExitMode.TRACE
     trace_length = max_model_len if traced else 1
     fused = isinstance(model.ops, TritonOps)  # the step's bookkeeping is fused where layers are
-    decode = DecodeStep(model, kv, backend, tables, scheduler, trace_length, fused_kernels=fused)
+    plain = replace(scheduler, speculative_config=None)
+    decode = DecodeStep(model, kv, backend, tables, plain, trace_length, fused_kernels=fused)
+    speculating = None
     if scheduler.speculative_config is not None:
-        decode.speculate(
-            SpeculativeLanes(decode, scheduler.speculative_config, scheduler.max_num_seqs)
+        lanes = DecodeStep(model, kv, backend, tables, scheduler, trace_length, fused_kernels=fused)
+        lanes.speculate(
+            SpeculativeLanes(lanes, scheduler.speculative_config, scheduler.max_num_seqs)
         )
+        speculating = lanes
     preempts = scheduler.kv_allocation is KVAllocation.INCREMENTAL
     swap = HostSwap(kv, int(config.swap_space_gb * 2**30) if preempts else 0)
     info = RunnerInfo(
@@ -211,13 +215,25 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
     )
     logger.info("runner: %s", info)
     graphs = GraphedDecodeStep(decode, scheduler.max_num_seqs) if choice.cuda_graphs else None
+    speculating_graphs = None
+    if speculating is not None and choice.cuda_graphs:
+        speculating_graphs = GraphedDecodeStep(speculating, scheduler.max_num_seqs)
     prompt_graphs = None
     if choice.cuda_graphs and backend.supports_prompt_graphs:
         prompt_graphs = GraphedPromptLoop(
             model, kv, backend, tables, scheduler.max_num_batched_tokens, scheduler.max_num_seqs
         )
     prompts = PromptRunner(model, kv, backend, tables, prompt_graphs)
-    return ModelRunner(model, tables, decode, prompts, swap, info, graphs)
+    return ModelRunner(
+        model,
+        tables,
+        decode,
+        prompts,
+        swap,
+        info,
+        graphs,
+        speculating=None if speculating is None else (speculating, speculating_graphs),
+    )
 
 
 def _check_speculation(config: EngineConfig, model_config: LoopedConfig) -> None:

@@ -37,6 +37,8 @@ def test_a_dict_and_its_json_give_the_same_config() -> None:
         ({"num_speculative_tokens": 17}, "num_speculative_tokens must be at most 16, got 17"),
         ({"draft_loops": True}, "draft_loops must be an integer >= 1, got True"),
         ({"draft_loops": 1.5}, "draft_loops must be an integer >= 1, got 1.5"),
+        ({"disable_by_batch_size": 0}, "disable_by_batch_size must be an integer >= 1"),
+        ({"forced_acceptance": 1.5}, "forced_acceptance must be a probability in"),
     ],
 )
 def test_bad_configs_are_refused_by_name(value: object, message: str) -> None:

@@ -32,7 +32,11 @@ def engine(speculative: tuple[int, int] | None, scheduling: str = "refill") -> L
     options: dict[str, object] = {}
     if speculative is not None:
         k, d = speculative
-        options["speculative_config"] = {"num_speculative_tokens": k, "draft_loops": d}
+        options["speculative_config"] = {
+            "num_speculative_tokens": k,
+            "draft_loops": d,
+            "disable_by_batch_size": None,
+        }
     return LLM(dtype="float32", num_kv_pages=512, max_num_seqs=8, scheduling=scheduling, **options)
 
 

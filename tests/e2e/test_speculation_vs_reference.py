@@ -44,8 +44,14 @@ CASES = [
 ]
 
 
-def speculative(k: int, d: int) -> dict[str, object]:
-    return {"method": "draft_loops", "num_speculative_tokens": k, "draft_loops": d}
+def speculative(k: int, d: int, off_above: int | None = None) -> dict[str, object]:
+    """Speculating at every batch size unless `off_above` says otherwise."""
+    return {
+        "method": "draft_loops",
+        "num_speculative_tokens": k,
+        "draft_loops": d,
+        "disable_by_batch_size": off_above,
+    }
 
 
 # Proposals made and confirmed over the whole matrix, for the guard at the end.
@@ -127,6 +133,30 @@ def test_reserved_allocation_with_speculation(checkpoint: Path, reference) -> No
     )
     for index in range(8):
         assert results[str(index)] == reference("full", "ouro", index), f"request {index}"
+
+
+@pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
+@pytest.mark.parametrize(
+    ("checkpoint", "mode"), [(4, "ouro"), (3, "trace")], indirect=["checkpoint"]
+)
+def test_switching_speculation_off_and_on_changes_no_output(
+    checkpoint: Path, reference, mode: str, scheduling: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Off above 2 decoding requests: staggered arrivals and finishes switch it off and on, and
+    each switch starts every decoding token again in the other decode step."""
+    results = run_engine(
+        checkpoint,
+        "full",
+        mode,
+        scheduling,
+        len(PROMPTS),
+        5,
+        speculative_config=speculative(4, 1, off_above=2),
+    )
+    stats = RUN_STATS[checkpoint, "full", mode, scheduling, len(PROMPTS), 5]
+    assert stats.speculation_switches >= 2 and stats.proposed_tokens > 0, stats
+    for index in range(len(PROMPTS)):
+        assert results[str(index)] == reference("full", mode, index), f"request {index}"
 
 
 def test_the_matrix_proposed_and_dropped_tokens() -> None:

@@ -33,7 +33,8 @@ pytestmark = [
 
 
 def speculative(k: int, d: int) -> dict[str, object]:
-    return {"speculative_config": {"num_speculative_tokens": k, "draft_loops": d}}
+    config = {"num_speculative_tokens": k, "draft_loops": d, "disable_by_batch_size": None}
+    return {"speculative_config": config}
 
 
 @pytest.mark.parametrize(("mode", "k", "d"), [("ouro", 4, 1), ("trace", 2, 2), ("fixed", 8, 3)])
