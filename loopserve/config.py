@@ -63,8 +63,8 @@ class SpeculativeConfig:
     forced_acceptance: float | None = None
     # vLLM's name: speculation is off in steps where more requests than this decode (their
     # tokens then run as without speculation; None: never off). Measured on the H200 with
-    # Ouro-1.4B (docs/speculation.md), speculating lost from 8 requests on.
-    disable_by_batch_size: int | None = 2
+    # Ouro-1.4B (docs/speculation.md): it paid with one request (1.12x) and not with two.
+    disable_by_batch_size: int | None = 1
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
