@@ -56,3 +56,56 @@ def test_engine_frees_every_page(
         engine.step()
         engine.kv.check_invariants()
     assert engine.stats().kv_pages_used == 0
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    actions=actions,
+    scheduling=st.sampled_from(["refill", "no_refill"]),
+    speculative=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3])),
+    off_above=st.sampled_from([None, 1, 2]),
+    preemption_mode=st.sampled_from(["swap", "recompute"]),
+)
+def test_speculating_engine_frees_every_page(
+    tiny_checkpoint: Path,
+    actions,
+    scheduling: str,
+    speculative: tuple[int, int],
+    off_above: int | None,
+    preemption_mode: str,
+) -> None:  # type: ignore[no-untyped-def]
+    """The same with speculation: lanes running ahead, switches on and off, preemption of
+    speculating requests, aborts between steps."""
+    k, d = speculative
+    engine = Engine(
+        EngineConfig.from_options(
+            model=str(tiny_checkpoint),
+            scheduling=scheduling,
+            num_kv_pages=40,
+            max_num_seqs=3,
+            prefill_chunk_size=7,
+            max_num_batched_tokens=8,
+            preemption_mode=preemption_mode,
+            speculative_config={
+                "num_speculative_tokens": k,
+                "draft_loops": d,
+                "disable_by_batch_size": off_above,
+            },
+        )
+    )
+    ids: list[str] = []
+    for kind, length, max_tokens in actions:
+        if kind == "add":
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, exit_threshold=0.6)
+            ids.append(engine.add_request(list(range(1, length + 1)), params))
+        elif kind == "abort" and ids:
+            engine.abort(ids[length % len(ids)])
+        else:
+            engine.step()
+        engine.kv.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check_invariants()
+    assert engine.stats().kv_pages_used == 0
