@@ -2,12 +2,15 @@
 `speculative_config` equal the serial reference (fp32, CPU) on random Ouro checkpoints with 4, 3
 and 2 loops and on Nanbeige, for K in {1, 2, 4, 8} proposed tokens, draft depths d in {1, 2, 3},
 every exit mode, both schedulings, synchronous reads, preemption (swap and recompute), prefix
-hits and reserved allocation. On random weights most proposals are wrong, so these runs mostly
+hits, reserved allocation and switches of speculation off and on; and 1,024 seeded draws on a
+small vocabulary equal to decoding without speculation. On random weights most proposals are wrong, so these runs mostly
 exercise dropping lanes; `test_speculation_shipped_model.py` holds the runs where they are
 right."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,10 +18,13 @@ import pytest
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.engine.stats import EngineStats
+from loopserve.models.checkpoint_writer import write_random_checkpoint
 from loopserve.sampling_params import SamplingParams
+from tests.conftest import TINY_CONFIG, VARIED_GATE
 from tests.e2e.test_engine_vs_reference import (
     MODES,
     NANBEIGE_MODES,
+    PREFIXED,
     PROMPTS,
     RUN_STATS,
     checkpoint,
@@ -157,6 +163,65 @@ def test_switching_speculation_off_and_on_changes_no_output(
     assert stats.speculation_switches >= 2 and stats.proposed_tokens > 0, stats
     for index in range(len(PROMPTS)):
         assert results[str(index)] == reference("full", mode, index), f"request {index}"
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "mode"), [(4, "ouro"), ("nanbeige", "trace")], indirect=["checkpoint"]
+)
+def test_prefix_cache_hits_with_speculation(checkpoint: Path, reference, mode: str) -> None:  # type: ignore[no-untyped-def]
+    results = run_engine(
+        checkpoint,
+        "full",
+        mode,
+        "refill",
+        6,
+        7,
+        prompts=PREFIXED,
+        speculative_config=speculative(4, 1),
+    )
+    assert RUN_STATS[checkpoint, "full", mode, "refill", 6, 7].prefix_cache_hit_rate > 0.3
+    for index, prompt in enumerate(PREFIXED):
+        assert results[str(index)] == reference("full", mode, index, tuple(prompt)), (
+            f"request {index}"
+        )
+
+
+def test_thousands_of_seeded_draws_on_a_small_vocabulary(tmp_path: Path) -> None:
+    """Sampling at temperature 1 on a 12-token vocabulary, 1,024 seeds x 3 tokens: every draw
+    is the one decoding without speculation makes (so their distributions are equal, not only
+    close), and the draws really spread over the vocabulary."""
+    config = dataclasses.replace(TINY_CONFIG, vocab_size=12)
+    model = write_random_checkpoint(tmp_path, config, seed=5, init=VARIED_GATE)
+
+    def draws(speculating: bool) -> tuple[list[list[int]], EngineStats]:
+        options: dict[str, object] = (
+            {"speculative_config": speculative(4, 1)} if speculating else {}
+        )
+        engine = Engine(
+            EngineConfig.from_options(
+                model=str(model), num_kv_pages=512, max_num_seqs=64, **options
+            )
+        )
+        ids = [
+            engine.add_request(
+                [1, 2, 3],
+                SamplingParams(max_tokens=3, temperature=1.0, seed=seed, exit_threshold=0.6),
+            )
+            for seed in range(1024)
+        ]
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = output.outputs[0].token_ids
+        return [done[i] for i in ids], engine.stats()
+
+    plain, _ = draws(False)
+    speculated, stats = draws(True)
+    assert speculated == plain
+    assert stats.proposed_tokens > 500 and 0 < stats.confirmed_tokens < stats.proposed_tokens
+    counts = Counter(tokens[2] for tokens in plain)
+    assert len(counts) >= 10 and max(counts.values()) < 0.3 * len(plain), counts
 
 
 def test_the_matrix_proposed_and_dropped_tokens() -> None:
