@@ -3,9 +3,9 @@
 and 2 loops and on Nanbeige, for K in {1, 2, 4, 8} proposed tokens, draft depths d in {1, 2, 3},
 every exit mode, both schedulings, synchronous reads, preemption (swap and recompute), prefix
 hits, reserved allocation and switches of speculation off and on; and 1,024 seeded draws on a
-small vocabulary equal to decoding without speculation. On random weights most proposals are wrong, so these runs mostly
-exercise dropping lanes; `test_speculation_shipped_model.py` holds the runs where they are
-right."""
+small vocabulary equal to decoding without speculation. On random weights most proposals are
+wrong, so these runs mostly exercise dropping lanes; `test_speculation_shipped_model.py` holds
+the runs where they are right."""
 
 from __future__ import annotations
 
