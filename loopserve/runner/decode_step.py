@@ -41,6 +41,7 @@ from loopserve.kv.transfer import to_device
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables
+from loopserve.runner.step_record import RESULT_COLUMNS
 from loopserve.runner.token_masks import SlotMasks
 from loopserve.sample.sampler import (
     SampleResult,
@@ -54,9 +55,6 @@ from loopserve.sample.sampler import (
 if TYPE_CHECKING:
     from loopserve.kernels.decode_state import DecodeKernels
 
-# Columns of the per-row result record (fp32: token ids < 2**24 are exact).
-RAN, LOOP, EXITED, TOKEN, STOPPED, LOGPROB = range(6)
-RESULT_COLUMNS = 6
 # Most end-of-sequence plus stop token ids one request may have.
 MAX_STOP_TOKEN_IDS = 16
 

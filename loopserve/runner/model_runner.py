@@ -15,7 +15,6 @@ import torch
 
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.engine.scheduler_output import (
-    DecodeResult,
     RunnerOutput,
     SampledToken,
     SchedulerOutput,
@@ -23,19 +22,9 @@ from loopserve.engine.scheduler_output import (
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
-from loopserve.runner.decode_step import (
-    EXITED,
-    LOGPROB,
-    LOOP,
-    RAN,
-    RESULT_COLUMNS,
-    STOPPED,
-    TOKEN,
-    DecodeStep,
-    SamplingKind,
-)
-from loopserve.runner.prefill import PromptRunner, sampled_token
-from loopserve.runner.speculation import CONFIRMED, DEPTH, EXTRA_COLUMNS, PROPOSED
+from loopserve.runner.decode_step import DecodeStep, SamplingKind
+from loopserve.runner.prefill import PromptRunner
+from loopserve.runner.step_record import decode_result
 from loopserve.runner.swap import HostSwap
 
 
@@ -67,39 +56,9 @@ class PendingOutput:
         if self._record is not None:
             while not self.ready():
                 time.sleep(0)
-            self._output.decode = _decode_result(self._record, self._logprob_counts, self._lanes)
+            self._output.decode = decode_result(self._record, self._logprob_counts, self._lanes)
             self._record = None
         return self._output
-
-
-def _decode_result(record: torch.Tensor, counts: list[int | None], lanes: int) -> DecodeResult:
-    """The record of a step (`lanes` rows per slot; the speculative record's extra columns last)
-    as host values; `counts` per record row."""
-    rows = record.tolist()
-    extra = EXTRA_COLUMNS if lanes > 1 else 0
-    top_count = (record.shape[1] - RESULT_COLUMNS - extra) // 2
-    end = RESULT_COLUMNS + 2 * top_count
-    result = DecodeResult(
-        ran=[bool(row[RAN]) for row in rows],
-        loops=[int(row[LOOP]) for row in rows],
-        tokens=[[] for _ in range(len(rows) // lanes)],
-        depths=[[] for _ in range(len(rows) // lanes)],
-        stopped=[False] * (len(rows) // lanes),
-    )
-    for index, (row, count) in enumerate(zip(rows, counts, strict=True)):
-        slot = index // lanes
-        if extra:
-            result.proposed += int(row[end + PROPOSED])
-            result.confirmed += int(row[end + CONFIRMED])
-        if not row[EXITED]:
-            continue
-        top_ids = row[RESULT_COLUMNS : RESULT_COLUMNS + top_count]
-        top_logprobs = row[RESULT_COLUMNS + top_count : end]
-        token = sampled_token(int(row[TOKEN]), row[LOGPROB], top_ids, top_logprobs, count)
-        result.tokens[slot].append(token)
-        result.depths[slot].append(int(row[end + DEPTH]) if extra else int(row[LOOP]))
-        result.stopped[slot] |= bool(row[STOPPED])
-    return result
 
 
 class ModelRunner:

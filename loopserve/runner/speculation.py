@@ -38,23 +38,17 @@ from loopserve.config import SpeculativeConfig
 from loopserve.depth import policy
 from loopserve.engine.scheduler_output import SlotStart
 from loopserve.kv.transfer import to_device
-from loopserve.runner.decode_step import (
+from loopserve.runner.decode_step import DecodeStep, SamplingKind
+from loopserve.runner.step_record import (
+    EXTRA_COLUMNS,
     LOGPROB,
+    MAX_TOP_LOGPROBS,
     RESULT_COLUMNS,
-    DecodeStep,
-    SamplingKind,
 )
 from loopserve.sample.noise import uniform_draws
 
-# Columns the speculative record adds after the standard ones (decode_step.RESULT_COLUMNS and
-# the top log-probs): the exit loop of the token a row reports, whether its lane proposed a
-# token that got a lane this step, and whether the row's token was a proposal confirmed now.
-DEPTH, PROPOSED, CONFIRMED = range(3)
-EXTRA_COLUMNS = 3
 # Keeps `forced_acceptance` draws apart from the sampling noise of the same seed.
 FORCED_SALT = 0x5EC0_1A7E
-# Top log-prob alternatives a done lane keeps until it is reported (sampler's limit).
-MAX_TOP_LOGPROBS = 20
 
 
 class SpeculativeLanes:

@@ -75,7 +75,8 @@ MODULES: dict[str, set[str]] = {
     },
     "runner": {
         "__init__", "block_tables", "cuda_graphs", "decode_step", "graph_capture", "kv_budget",
-        "model_runner", "prefill", "prompt_graphs", "setup", "speculation", "swap", "token_masks",
+        "model_runner", "prefill", "prompt_graphs", "setup", "speculation", "step_record", "swap",
+        "token_masks",
     },
     "sample": {"__init__", "noise", "sampler"},
     "train": {
