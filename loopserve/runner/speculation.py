@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 
-from loopserve.config import SpeculativeConfig
 from loopserve.depth import policy
 from loopserve.engine.scheduler_output import SlotStart
 from loopserve.kv.transfer import to_device
@@ -46,6 +45,7 @@ from loopserve.runner.step_record import (
     RESULT_COLUMNS,
 )
 from loopserve.sample.noise import uniform_draws
+from loopserve.speculative_config import SpeculativeConfig
 
 # Keeps `forced_acceptance` draws apart from the sampling noise of the same seed.
 FORCED_SALT = 0x5EC0_1A7E

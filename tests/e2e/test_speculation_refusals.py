@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from loopserve import LLM, SamplingParams
-from loopserve.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from loopserve.config import EngineConfig, SchedulerConfig
 from loopserve.entrypoints.cli import main
+from loopserve.speculative_config import SpeculativeConfig
 from loopserve.structured_outputs import StructuredOutputsParams
 from tests.published_configs import write_huginn_checkpoint
 

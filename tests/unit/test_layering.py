@@ -13,7 +13,9 @@ import loopserve
 
 PACKAGE = Path(loopserve.__file__).parent
 # Torch-free value types every layer may use.
-CORE = {"config", "sampling_params", "structured_outputs", "outputs", "request", "tokenizer"}
+CORE = {"config", "sampling_params", "structured_outputs", "outputs", "request", "tokenizer"} | {
+    "speculative_config"
+}
 # Part -> the parts it may import besides itself. A part or an entry is a package ("engine") or a
 # module ("engine.scheduler_output"); `*` allows everything.
 ALLOWED: dict[str, set[str]] = {
@@ -48,7 +50,8 @@ ALLOWED: dict[str, set[str]] = {
     | {"kernels.noise", "kernels.sampling"},
     "kv": set(),
     "depth": {"sampling_params", "kv"},
-    "config": {"depth", "kv"},
+    "config": {"depth", "kv", "speculative_config"},
+    "speculative_config": set(),
     "request": {"outputs", "sampling_params"},
     "sampling_params": {"structured_outputs"},
     "structured_outputs": set(),

@@ -20,7 +20,7 @@ PACKAGE = Path(loopserve.__file__).parent
 MODULES: dict[str, set[str]] = {
     "": {
         "__init__", "config", "outputs", "reference", "reference_spec", "request",
-        "sampling_params", "structured_outputs", "tokenizer",
+        "sampling_params", "speculative_config", "structured_outputs", "tokenizer",
     },
     # structured outputs' grammars (llguidance)
     "structured": {"__init__", "grammar"},

@@ -1,0 +1,112 @@
+"""Self-speculative decoding's settings, as vLLM's `speculative_config` (docs/speculation.md).
+
+Owns: `SpeculativeConfig`, its validation (errors name the key) and its parsing from a dict or
+JSON text (the `--speculative-config` flag), and the models it refuses. Must not: import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPECULATIVE_METHODS = ("draft_loops",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Self-speculative decoding (docs/speculation.md), configured as vLLM's
+    `speculative_config`: a token that has run `draft_loops` loops without exiting proposes the
+    next token from that depth, which starts running at once; it is kept when the token's own
+    exit decision samples the same token. At most `num_speculative_tokens` proposed tokens of a
+    request run ahead of its last final one."""
+
+    method: str = "draft_loops"
+    num_speculative_tokens: int = 4
+    draft_loops: int = 2
+    # Benchmarks only: keep each proposal with this probability (seeded per request and token)
+    # whatever the tokens, the proposal then standing for the token; outputs are not the
+    # model's. Random weights almost never propose the right token, so this is how a benchmark
+    # on them measures the mechanism at a given acceptance (recorded as such).
+    forced_acceptance: float | None = None
+    # vLLM's name: speculation is off in steps where more requests than this decode (their
+    # tokens then run as without speculation; None: never off). Measured on the H200 with
+    # Ouro-1.4B (docs/speculation.md): it paid with one request (1.12x) and not with two.
+    disable_by_batch_size: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {SPECULATIVE_METHODS} (the model's "
+                f"own first loops draft), got {self.method!r}"
+            )
+        for name, low, high in (
+            ("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+            ("draft_loops", 1, None),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"speculative_config {name} must be an integer >= {low}, got {value!r}"
+                )
+            if high is not None and value > high:
+                raise ValueError(f"speculative_config {name} must be at most {high}, got {value}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        ):
+            raise ValueError(
+                f"speculative_config disable_by_batch_size must be an integer >= 1 (or null: "
+                f"never off), got {limit!r}"
+            )
+        forced = self.forced_acceptance
+        if forced is not None and not (isinstance(forced, (int, float)) and 0.0 <= forced <= 1.0):
+            raise ValueError(
+                f"speculative_config forced_acceptance must be a probability in [0, 1] (or "
+                f"null), got {forced!r}"
+            )
+
+    def check_model(self, num_loops: int, family: str, num_stage_layers: int) -> None:
+        """Refuse a model it cannot serve exactly."""
+        if num_stage_layers:
+            raise ValueError(
+                f"speculative_config cannot serve {family} models: their prelude and coda "
+                "layers keep one version of each token's K/V, written when it exits, and a "
+                "proposed token may exit before the token it follows"
+            )
+        if self.draft_loops >= num_loops:
+            raise ValueError(
+                f"speculative_config draft_loops {self.draft_loops} must be below the model's "
+                f"loop count ({num_loops}): a proposal is the output after draft_loops loops, "
+                "checked by the loops after it"
+            )
+
+    @property
+    def lanes(self) -> int:
+        """Decode rows one request holds: its final token's and one per proposed token."""
+        return self.num_speculative_tokens + 1
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A config from a dict, its JSON text (`--speculative-config '{...}'`), or itself."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    "speculative_config (--speculative-config) must be a JSON object, such as "
+                    '{"method": "draft_loops", "num_speculative_tokens": 4, "draft_loops": 2}: '
+                    f"{error}"
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {item.name for item in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)
