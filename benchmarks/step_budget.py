@@ -30,7 +30,7 @@ import torch
 from benchmarks.step_profile import decode_step_kernels, device_step_ms, steady_engine
 from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ouro_config import OuroConfig
-from loopserve.runner.decode_step import SamplingKind
+from loopserve.runner.decode_slots import SamplingKind
 from loopserve.runner.model_runner import ModelRunner
 
 # Category -> kernel-name pattern, first match wins.

@@ -24,7 +24,7 @@ from loopserve.bench.timed_runner import TimedRunner
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.models.ouro_config import OuroConfig
-from loopserve.runner.decode_step import SamplingKind
+from loopserve.runner.decode_slots import SamplingKind
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.setup import build_runner
 from loopserve.sampling_params import SamplingParams

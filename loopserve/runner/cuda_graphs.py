@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from loopserve.runner.decode_step import DecodeStep, SamplingKind
+from loopserve.runner.decode_slots import SamplingKind
+from loopserve.runner.decode_step import DecodeStep
 from loopserve.runner.graph_capture import Captured, capture
 
 # Padded row counts that get a graph, below the engine's slot count (which is always one too).

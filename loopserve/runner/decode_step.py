@@ -1,11 +1,11 @@
-"""The decode step: per-slot decode state on the device, and one loop over every slot.
+"""The decode step: one loop over every slot, on the device.
 
-Owns: the state of every slot's in-flight token (loop, position, token, hidden state, survival,
-sampling settings, stop ids) and `step`, which runs one loop for slots [0, rows), asks
-`depth.policy` which rows exit, samples, copies exited K/V as `kv.layout` says, starts the next
-token of exited rows and stops finished slots, with no host synchronisation, so it can be captured
-in a CUDA graph and run ahead of the host. Must not: read anything from the host during `step`
-(every per-step input is already in device tensors), or decide exits or planes itself.
+Owns: `step`, which runs one loop for slots [0, rows) of the state it extends
+(`runner.decode_slots.DecodeSlots`), asks `depth.policy` which rows exit, samples, copies exited
+K/V as `kv.layout` says, starts the next token of exited rows and stops finished slots, with no
+host synchronisation, so it can be captured in a CUDA graph and run ahead of the host. Must
+not: read anything from the host during `step` (every per-step input is already in device
+tensors), or decide exits or planes itself.
 
 This is the only decode path, on every device; the serial reference is held to it by the tests.
 Where the layer ops are fused Triton kernels (CUDA; `fused_kernels`, set by the runner's setup),
@@ -16,13 +16,13 @@ holds them bit for bit) and the path everywhere else; the copy-on-exit then runs
 can (`decode_rotary`) and the model's ops rotate as that kernel does (`rotary_is_fused_ops`).
 The exit decision comes before the LM head, which computes only the exiting rows' logits (the
 others are 0): with the fused ops a step where no row exits reads none of the LM head's weights.
+A speculating request's lanes run through `runner.speculation` instead, on the torch rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,59 +30,27 @@ from loopserve.attention.base import AttentionBackend
 from loopserve.attention.paged import PagedAttention
 from loopserve.config import SchedulerConfig
 from loopserve.depth import policy
-from loopserve.depth.policy import ExitMode, RowDepth, slot_rule
-from loopserve.depth.trace import resolve_distribution, trace_depths
-from loopserve.engine.scheduler_output import SlotStart
+from loopserve.depth.policy import RowDepth
 from loopserve.kv.layout import KVLayout
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE
 from loopserve.kv.storage import KVStorage
-from loopserve.kv.transfer import to_device
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables
+from loopserve.runner.decode_slots import DecodeSlots, SamplingKind
 from loopserve.runner.step_record import RESULT_COLUMNS
-from loopserve.runner.token_masks import SlotMasks
 from loopserve.sample.sampler import (
     SampleResult,
     SamplingBatch,
-    effective_temperature,
-    effective_top_k,
-    needs_filter,
     sample,
 )
 
 if TYPE_CHECKING:
     from loopserve.kernels.decode_state import DecodeKernels
 
-# Most end-of-sequence plus stop token ids one request may have.
-MAX_STOP_TOKEN_IDS = 16
 
-
-class Lanes(Protocol):
-    """The step of speculating requests' lanes (runner/speculation.py)."""
-
-    def stop(self, rows: torch.Tensor) -> None: ...
-
-    def start(self, rows: torch.Tensor, starts: list[SlotStart]) -> None: ...
-
-    def state_tensors(self) -> list[torch.Tensor]: ...
-
-    def step(self, rows: int, kind: SamplingKind) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingKind:
-    """What the step's coda must support; one CUDA graph per kind and row bucket."""
-
-    all_greedy: bool
-    needs_filter: bool
-    any_logprobs: bool
-    num_logprobs: int
-    constrained: bool = False  # some row has a constraint (token bitmasks, `token_masks`)
-
-
-class DecodeStep:
+class DecodeStep(DecodeSlots):
     def __init__(
         self,
         model: LoopedForCausalLM,
@@ -93,53 +61,11 @@ class DecodeStep:
         max_trace_length: int,
         fused_kernels: bool,
     ) -> None:
-        self.model = model
+        super().__init__(model, block_tables, config, max_trace_length)
         self.kv = kv
         self.backend = backend
-        self.block_tables = block_tables
-        self.layout: KVLayout = config.kv_layout
-        self.scheduling = config.scheduling
-        self.exit_mode = config.exit_mode
-        self.trace_distribution = resolve_distribution(
-            config.trace_distribution, model.config.family, model.config.num_loops
-        )
-        self.vocab_size = model.config.vocab_size
-        device = self.device = block_tables.device
-        # Decode rows per request slot: 1, or one per token a speculating request has in flight
-        # (its lanes, runner/speculation.py); row r belongs to slot r // lanes.
+        device = self.device
         speculative = config.speculative_config
-        self.lanes = config.lanes
-        slots = config.max_decode_rows
-
-        def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
-            return torch.zeros((slots, *shape), dtype=dtype, device=device)
-
-        # In-flight token of each slot.
-        self.active, self.waiting, self.stop_next = (zeros(torch.bool) for _ in range(3))
-        self.loop = zeros(torch.int64) + 1  # the loop it runs next (1-based)
-        self.position, self.token, self.output_count = (zeros(torch.int64) for _ in range(3))
-        self.survival = zeros(torch.float32) + 1.0
-        self.hidden = zeros(model.dtype, model.carried_size)
-        # What the exit criterion carries between loops (criteria that read logits).
-        self.exit_memory = zeros(torch.float32, model.exit_memory_size)
-        # Per-request settings.
-        self.min_loops, self.max_loops = zeros(torch.int64) + 1, zeros(torch.int64) + 1
-        self.rule, self.max_tokens = zeros(torch.int64), zeros(torch.int64) + 1
-        self.threshold = zeros(torch.float32) + 1.0
-        self.stop_ids = zeros(torch.int64, MAX_STOP_TOKEN_IDS) - 1
-        self.trace_depths = zeros(torch.int8, max(max_trace_length, 1))
-        self.temperature, self.top_p = zeros(torch.float32) + 1.0, zeros(torch.float32) + 1.0
-        self.min_p = zeros(torch.float32)
-        self.greedy = zeros(torch.bool)
-        self.top_k = zeros(torch.int64) + self.vocab_size
-        self.seed = zeros(torch.int64)
-        requests = config.max_num_seqs
-        self.logprob_counts: list[int | None] = [None] * requests  # per slot
-        self.masks = SlotMasks(slots, self.vocab_size, device)
-        self._greedy_host = [True] * requests
-        self._filter_host = [False] * requests
-        # The lanes of speculating requests (runner/speculation.py), handed in by `speculate`.
-        self.speculation: Lanes | None = None
         # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too (not yet
         # for speculating lanes, which run the torch rules on every device).
         self.kernels: DecodeKernels | None = None
@@ -157,111 +83,6 @@ class DecodeStep:
                 no_refill=self.scheduling is policy.Scheduling.NO_REFILL,
                 full_layout=self.layout.copies_on_exit,
             )
-
-    def speculate(self, lanes: Lanes) -> None:
-        """Run speculating requests' lanes (`config.speculative_config`) with `lanes`."""
-        if self.lanes == 1:
-            raise ValueError("lanes need a speculative_config")
-        self.speculation = lanes
-
-    # ----- host -> device (between steps) --------------------------------------------------
-
-    def stop(self, slots: list[int]) -> None:
-        index = self._long(self.lane_rows(slots))
-        self.active[index] = False
-        self.waiting[index] = False
-        if self.speculation is not None:
-            self.speculation.stop(index)
-
-    def stop_all(self) -> None:
-        """Stop every slot (the engine switched to its other decode step)."""
-        self.active.fill_(False)
-        self.waiting.fill_(False)
-        if self.speculation is not None:
-            self.speculation.stop(torch.arange(self.active.shape[0], device=self.device))
-
-    def lane_rows(self, slots: list[int]) -> list[int]:
-        """The decode rows of `slots` (one each unless requests speculate)."""
-        lanes = self.lanes
-        return [slot * lanes + lane for slot in slots for lane in range(lanes)]
-
-    def start(self, starts: list[SlotStart]) -> None:
-        """Write the state of newly started slots (one small copy per field; a speculating
-        slot's settings go to each of its lanes, its token to the lane of its position)."""
-        index = self._long(self.lane_rows([s.slot for s in starts]))
-        self._start_rows(index, starts)
-        if self.speculation is not None:
-            self.speculation.start(index, starts)
-        for start in starts:
-            param = start.params.params
-            self.logprob_counts[start.slot] = param.logprobs
-            self._greedy_host[start.slot] = param.greedy
-            self._filter_host[start.slot] = needs_filter(param, self.vocab_size)
-
-    def _start_rows(self, index: torch.Tensor, starts: list[SlotStart]) -> None:
-        """`index`: each start's `lanes` rows; every value is uploaded once per start."""
-        resolved = [s.params for s in starts]
-        params = [r.params for r in resolved]
-        self._put(self.token, index, [s.token for s in starts])
-        self._put(self.position, index, [s.position for s in starts])
-        self._put(self.output_count, index, [s.num_output_tokens for s in starts])
-        self._put(self.min_loops, index, [r.min_loops for r in resolved])
-        self._put(self.max_loops, index, [r.max_loops for r in resolved])
-        self._put(self.rule, index, [slot_rule(self.exit_mode, r.exit_threshold) for r in resolved])
-        self._put(self.max_tokens, index, [p.max_tokens for p in params])
-        self._put(self.threshold, index, [r.exit_threshold for r in resolved])
-        self._put(self.seed, index, [r.seed for r in resolved])
-        self._put(self.temperature, index, [effective_temperature(p) for p in params])
-        self._put(self.greedy, index, [p.greedy for p in params])
-        self._put(self.top_k, index, [effective_top_k(p, self.vocab_size) for p in params])
-        self._put(self.top_p, index, [p.top_p for p in params])
-        self._put(self.min_p, index, [p.min_p for p in params])
-        stop_ids = [sorted(r.eos_token_ids | set(r.params.stop_token_ids)) for r in resolved]
-        self._put(self.stop_ids, index, [_padded(ids, MAX_STOP_TOKEN_IDS, -1) for ids in stop_ids])
-        width = self.trace_depths.shape[1]
-        traced = self.exit_mode is ExitMode.TRACE
-        depths = [trace_depths(r, self.trace_distribution) if traced else () for r in resolved]
-        self._put(self.trace_depths, index, [_padded(d, width, 0) for d in depths])
-        self.loop[index] = 1
-        self.survival[index] = 1.0
-        self.stop_next[index] = False
-        # Under no_refill a new slot waits for the next cohort (released when no row runs).
-        self.waiting[index] = self.scheduling is policy.Scheduling.NO_REFILL
-        self.active[index] = True
-        self.masks.reset(index, [s.slot for s in starts])
-
-    def sampling_kind(self, slots: list[int]) -> SamplingKind:
-        counts = [self.logprob_counts[slot] or 0 for slot in slots]
-        return SamplingKind(
-            all_greedy=all(self._greedy_host[slot] for slot in slots),
-            needs_filter=any(self._filter_host[slot] for slot in slots),
-            any_logprobs=any(self.logprob_counts[slot] is not None for slot in slots),
-            num_logprobs=max(counts, default=0) and 20,
-            constrained=self.masks.any(slots),
-        )
-
-    def _long(self, values: list[int]) -> torch.Tensor:
-        return to_device(values, torch.int64, self.device)
-
-    def _put(self, target: torch.Tensor, index: torch.Tensor, values: list[Any]) -> None:
-        """One value per start into each of its `lanes` rows (`index`)."""
-        uploaded = to_device(values, target.dtype, self.device)
-        if self.lanes > 1:
-            uploaded = uploaded.repeat_interleave(self.lanes, dim=0)
-        target[index] = uploaded
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Everything `step` mutates besides the KV cache (for snapshots around graph capture)."""
-        lanes = self.speculation.state_tensors() if self.speculation is not None else []
-        return [
-            self.active, self.waiting, self.stop_next, self.loop, self.position, self.token,
-            self.output_count, self.survival, self.hidden, self.exit_memory,
-            self.masks.constrained, *lanes,
-        ]  # fmt: skip
-
-    def record_rows(self, rows: int) -> int:
-        """Rows of the result record of a step over slots [0, rows)."""
-        return rows * self.lanes
 
     # ----- one loop (device only) -----------------------------------------------------------
 
@@ -485,10 +306,6 @@ class DecodeStep:
             source.reshape(-1), destination.reshape(-1), self.model.config.num_hidden_layers
         )
 
-    def row_logprob_counts(self, rows: int) -> list[int | None]:
-        """Per decode row [0, rows): the log-prob alternatives its request asked for."""
-        return [self.logprob_counts[row // self.lanes] for row in range(rows)]
-
     def _sampling_batch(self, rows: int, kind: SamplingKind) -> SamplingBatch:
         masks = self.masks
         return SamplingBatch(
@@ -507,8 +324,3 @@ class DecodeStep:
             constrained=masks.constrained[:rows] if kind.constrained else None,
             token_mask=masks.token_mask[:rows] if kind.constrained else None,
         )
-
-
-def _padded(values: Any, width: int, fill: int) -> list[int]:
-    values = list(values)[:width]
-    return values + [fill] * (width - len(values))

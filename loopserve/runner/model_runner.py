@@ -22,7 +22,8 @@ from loopserve.engine.scheduler_output import (
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
-from loopserve.runner.decode_step import DecodeStep, SamplingKind
+from loopserve.runner.decode_slots import SamplingKind
+from loopserve.runner.decode_step import DecodeStep
 from loopserve.runner.prefill import PromptRunner
 from loopserve.runner.step_record import decode_result
 from loopserve.runner.swap import HostSwap

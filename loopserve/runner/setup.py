@@ -35,7 +35,8 @@ from loopserve.models.ops import TritonOps
 from loopserve.models.quant import quantization_of, quantize_model
 from loopserve.runner.block_tables import BlockTables
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
-from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep
+from loopserve.runner.decode_slots import MAX_STOP_TOKEN_IDS
+from loopserve.runner.decode_step import DecodeStep
 from loopserve.runner.kv_budget import (
     check_slot_state,
     check_swap_space,

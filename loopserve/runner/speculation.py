@@ -37,7 +37,8 @@ import torch
 from loopserve.depth import policy
 from loopserve.engine.scheduler_output import SlotStart
 from loopserve.kv.transfer import to_device
-from loopserve.runner.decode_step import DecodeStep, SamplingKind
+from loopserve.runner.decode_slots import SamplingKind
+from loopserve.runner.decode_step import DecodeStep
 from loopserve.runner.step_record import (
     EXTRA_COLUMNS,
     LOGPROB,

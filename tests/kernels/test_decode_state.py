@@ -31,7 +31,8 @@ from loopserve.kv.pages import NULL_PAGE
 from loopserve.models.ops import ModelOps, TritonOps
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
-from loopserve.runner.decode_step import MAX_STOP_TOKEN_IDS, DecodeStep, SamplingKind
+from loopserve.runner.decode_slots import MAX_STOP_TOKEN_IDS, SamplingKind
+from loopserve.runner.decode_step import DecodeStep
 from tests import fake_flashinfer
 from tests.kernels.conftest import ON_GPU
 from tests.kernels.tiny_setup import attention_spec, paged_kv, shuffled_pages, tiny_model

@@ -74,9 +74,9 @@ MODULES: dict[str, set[str]] = {
         "proxy", "replica", "routing",
     },
     "runner": {
-        "__init__", "block_tables", "cuda_graphs", "decode_step", "graph_capture", "kv_budget",
-        "model_runner", "prefill", "prompt_graphs", "setup", "speculation", "step_record", "swap",
-        "token_masks",
+        "__init__", "block_tables", "cuda_graphs", "decode_slots", "decode_step", "graph_capture",
+        "kv_budget", "model_runner", "prefill", "prompt_graphs", "setup", "speculation",
+        "step_record", "swap", "token_masks",
     },
     "sample": {"__init__", "noise", "sampler"},
     "train": {
