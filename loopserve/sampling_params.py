@@ -150,7 +150,10 @@ _HINTS = typing.get_type_hints(SamplingParams)
 
 
 def _as_tuple(name: str, value: Any) -> Any:
-    """A list (or one string, for `stop`) as a tuple; anything else is left for the type check."""
+    """A list (or one string, for `stop`) as a tuple, None as none (vLLM's default for `stop`
+    and `stop_token_ids`); anything else is left for the type check."""
+    if value is None and name in ("stop", "stop_token_ids"):
+        return ()
     if name == "stop" and isinstance(value, str):
         return (value,)
     if isinstance(value, (list, tuple)):

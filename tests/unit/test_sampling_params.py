@@ -71,6 +71,7 @@ def test_bool_fields_take_bools_only(name: str, value: Any) -> None:
 
 def test_stop_strings_and_ids_are_typed() -> None:
     assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()  # vLLM's defaults
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
     assert _error(TypeError, stop=5).startswith("stop must be a list of strings")
     assert _error(TypeError, stop=["a", 3]).startswith("stop[1] must be a string")
