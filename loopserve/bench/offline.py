@@ -38,6 +38,7 @@ from loopserve.bench.sweep_spec import (
     parse_concurrency,
     parse_list,
 )
+from loopserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -226,6 +227,7 @@ def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | N
     if any(not 0 <= shared < workload.prompt_len for workload in workloads):
         raise ValueError("--shared-prefix must be at least 0 and shorter than every prompt")
     concurrencies = parse_concurrency(args.concurrency or "1,8,32,128")
+    SpeculativeConfig.parse(args.speculative_config)  # refused now, not after the checkpoint
     trials = 3 if args.trials is None else args.trials
     if trials < 1 or (args.warmup_output_len is not None and args.warmup_output_len < 0):
         raise ValueError("--trials must be at least 1 and --warmup-output-len at least 0")

@@ -131,3 +131,26 @@ def test_swap_and_recompute_preemption_side_by_side(tiny_checkpoint: Path, tmp_p
     assert all(figures["preemptions"] > 0 for figures in by_mode.values())
     text = summary.read_text()
     assert "full, recompute preemption |" in text and "### recompute / swap preemption" in text
+
+
+def test_speculation_is_recorded_with_its_counts(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    spec = '{"num_speculative_tokens": 2, "draft_loops": 1, "forced_acceptance": 0.9}'
+    code, records = _bench(
+        tiny_checkpoint, tmp_path,
+        "--concurrency", "1", "--exits", "fixed", "--scheduling", "refill", "--trials", "1",
+        "--speculative-config", spec,
+    )  # fmt: skip
+    assert code == 0
+    (run,) = [record for record in records if record["record"] == "offline"]
+    assert run["config"]["speculative_config"]["forced_acceptance"] == 0.9
+    assert run["figures"]["proposed_tokens"] > 0 and run["figures"]["proposal_acceptance"] > 0.5
+
+
+def test_a_bad_speculative_config_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "never-written"
+    argv = ["bench", "offline", "--model", str(model), "--speculative-config", "{bad"]
+    assert main(argv) == 2
+    assert "must be a JSON object" in capsys.readouterr().err
+    assert not model.exists()
