@@ -64,11 +64,13 @@ class SpeculativeLanes:
         self.proposal = torch.zeros(rows, dtype=torch.bool, device=device)  # input not yet final
         self.out_token = torch.zeros(rows, dtype=torch.int64, device=device)
         self.out_depth = torch.zeros(rows, dtype=torch.int64, device=device)
-        # A done lane's result-record row (decode_step's columns), kept until it is reported.
-        width = RESULT_COLUMNS + 2 * MAX_TOP_LOGPROBS
-        self.exit_record = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        # A done lane's record columns from LOGPROB on (its token's log-prob and the top
+        # alternatives), kept until the token is reported.
+        width = RESULT_COLUMNS - LOGPROB + 2 * MAX_TOP_LOGPROBS
+        self.exit_logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
         self.head = torch.zeros(slots, dtype=torch.int64, device=device)  # oldest unfinished
         self._slot_of_row = torch.arange(rows, device=device) // lanes
+        self._first_lane = torch.arange(slots, device=device) * lanes  # each slot's lane 0 row
         self._offsets = torch.arange(lanes, device=device)
 
     def _forced(self, order: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,7 @@ class SpeculativeLanes:
             self.proposal,
             self.out_token,
             self.out_depth,
-            self.exit_record,
+            self.exit_logprobs,
             self.head,
         ]
 
@@ -127,28 +129,11 @@ class SpeculativeLanes:
         proposes = ran & ~exited & (row.loop == self.draft_loops)
         sampled = step.choose(count, kind, out, exited | proposes)
         step.copy_on_exit(exited, row, position, table_rows)
-        top = sampled.top_ids.shape[1]
-        width = RESULT_COLUMNS + 2 * top
-        record_now = torch.cat(
-            [
-                torch.stack(
-                    [
-                        ran,
-                        row.loop,
-                        exited,
-                        sampled.tokens,
-                        torch.zeros_like(ran),
-                        sampled.logprobs,
-                    ],
-                    1,
-                ).float(),
-                sampled.top_ids.float(),
-                sampled.top_logprobs,
-            ],
-            dim=1,
+        logprobs_now = torch.cat(
+            [sampled.logprobs[:, None], sampled.top_ids.float(), sampled.top_logprobs], dim=1
         )
-        kept = self.exit_record[:count, :width]
-        kept.copy_(torch.where(exited[:, None], record_now, kept))
+        kept = self.exit_logprobs[:count, : logprobs_now.shape[1]]
+        kept.copy_(torch.where(exited[:, None], logprobs_now, kept))
         done = self.done[:count] | exited
         out_token = torch.where(exited, sampled.tokens, self.out_token[:count])
         out_depth = torch.where(exited, row.loop, self.out_depth[:count])
@@ -158,7 +143,7 @@ class SpeculativeLanes:
         # Down each slot's ring, from its oldest unfinished token: [rows, lanes] in that order.
         head = self.head[:rows]
         order = (head[:, None] + self._offsets[None, :]) % lanes
-        order = order + torch.arange(0, count, lanes, device=order.device)[:, None]
+        order = order + self._first_lane[:rows, None]
         flat = order.reshape(-1)
         live = active[order]
         finished = done[order]
@@ -166,8 +151,9 @@ class SpeculativeLanes:
         produced = out_token[order]
         proposal = self.proposal[:count][order]
         outputs = step.output_count[:count][order]  # output index of each lane's next token
-        limit = step.max_tokens[:count][order]
-        stop_ids = step.stop_ids[:count][order]  # [rows, lanes, S], each slot's on every lane
+        # A slot's settings are on each of its lanes: lane 0's serve the slot.
+        limit = step.max_tokens[:count:lanes]
+        stop_ids = step.stop_ids[:count:lanes]  # [rows, S]
 
         def before(values: torch.Tensor) -> torch.Tensor:
             """Each lane's predecessor's value (False / 0 for the first lane)."""
@@ -184,7 +170,9 @@ class SpeculativeLanes:
             taken = (live & finished_before & proposal)[:, 1:]
             produced[:, :-1] = torch.where(taken, held[:, 1:], produced[:, :-1])
         # 4. Final tokens: done ones at the front, up to one that ends the request.
-        ends = (produced[:, :, None] == stop_ids).any(-1) | (outputs + 1 >= limit)
+        ends = (produced[:, :, None] == stop_ids[:, None, :]).any(-1) | (
+            outputs + 1 >= limit[:, None]
+        )
         reported = (live & finished & ~before(ends)).long().cumprod(dim=1).bool()
         stopped = reported & ends
         num_reported = reported.sum(1)
@@ -201,7 +189,7 @@ class SpeculativeLanes:
         last_proposes = at_last(proposes[order]) & any_live
         token = torch.where(last_done, at_last(produced), at_last(sampled.tokens[order]))
         index = at_last(outputs)
-        ends_next = (token[:, None] == stop_ids[:, 0]).any(-1) | (index + 1 >= limit[:, 0])
+        ends_next = (token[:, None] == stop_ids).any(-1) | (index + 1 >= limit)
         room = num_live - num_reported < lanes
         spawn = (last_done | last_proposes) & room & ~slot_stopped & ~ends_next
         target = order.gather(1, (num_live % lanes)[:, None]).squeeze(1)  # [rows] lane row
@@ -212,12 +200,11 @@ class SpeculativeLanes:
         proposed = torch.zeros_like(live).scatter(1, last, (spawn & last_proposes)[:, None])
         columns = [ran[order], row.loop[order], reported, produced, stopped]
         columns = [c.reshape(-1).float() for c in columns]
-        kept_now = kept[flat]
         extra = torch.stack([out_depth[order], proposed, confirmed], dim=2)
         record = torch.cat(
             [
                 torch.stack(columns, 1),
-                kept_now[:, LOGPROB:],
+                kept[flat],
                 extra.reshape(count, EXTRA_COLUMNS).float(),
             ],
             dim=1,
