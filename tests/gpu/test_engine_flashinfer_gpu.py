@@ -24,7 +24,7 @@ from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoi
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import SamplingParams
 
-from .test_engine_gpu import GPU_CONFIG, mixed_params, prompts, run
+from .test_engine_gpu import GPU_CONFIG, mixed_params, prompts, run, steps_without_synchronising
 
 pytestmark = [
     pytest.mark.gpu,
@@ -182,15 +182,6 @@ def test_steady_state_steps_do_not_synchronise(checkpoint: Path, backend: str) -
     assert llm.info.attention_backend == backend and llm.info.cuda_graphs
     for prompt in prompts(8, seed=3):
         llm.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True, exit_threshold=0.6))
-    while llm.scheduler.needs_sync() or llm.runner.graphs.num_captured == 0:  # type: ignore[attr-defined]
-        llm.step()
-    for _ in range(10):  # every bucket and kind this batch needs is captured by now
-        llm.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(30):
-            llm.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_without_synchronising(llm, llm.runner.graphs, 30)  # type: ignore[attr-defined]
     while llm.has_unfinished_requests():
         llm.step()

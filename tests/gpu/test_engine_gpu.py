@@ -17,6 +17,7 @@ from loopserve.engine.engine import Engine
 from loopserve.models.checkpoint_writer import RandomInit, write_random_checkpoint
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.reference import SerialReference
+from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.sampling_params import SamplingParams
 
 pytestmark = [
@@ -225,22 +226,29 @@ def test_batch_invariant_request_alone_equals_inside_a_batch_of_96(checkpoint: P
         assert alone[0] == together[index], f"request {index} changed with its batch"
 
 
+def steps_without_synchronising(engine: Engine, graphs: GraphedDecodeStep, steps: int) -> None:
+    """Step `engine` until no step needs a read-back and `graphs` (the decode step its requests
+    run in) has captured, 10 more (every bucket and kind the batch needs is captured by then),
+    then `steps` under torch's sync debug mode "error": a host synchronisation fails them."""
+    while engine.scheduler.needs_sync() or graphs.num_captured == 0:
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_steady_state_steps_do_not_synchronise(checkpoint: Path) -> None:
     engine = bf16_engine(checkpoint)
     for prompt in prompts(8, seed=3):
         engine.add_request(
             prompt, SamplingParams(max_tokens=200, ignore_eos=True, exit_threshold=0.6)
         )
-    while engine.scheduler.needs_sync() or engine.runner.graphs.num_captured == 0:  # type: ignore[union-attr]
-        engine.step()
-    for _ in range(10):  # every bucket and kind this batch needs is captured by now
-        engine.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(30):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_without_synchronising(engine, engine.runner.graphs, 30)  # type: ignore[attr-defined]
     while engine.has_unfinished_requests():
         engine.step()
 

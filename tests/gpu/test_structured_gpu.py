@@ -14,6 +14,7 @@ from loopserve import LLM, SamplingParams
 from loopserve.reference import SerialReference
 from loopserve.structured_outputs import StructuredOutputsParams as Spec
 from tests.e2e.test_structured_outputs import CASES, check_matches, params
+from tests.gpu.test_engine_gpu import steps_without_synchronising
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,16 +66,7 @@ def test_constrained_steady_state_steps_do_not_synchronise() -> None:
             max_tokens=300, ignore_eos=True, exit_threshold=0.3, seed=index, structured_outputs=spec
         )
         engine.add_request(llm.tokenizer.encode(f"x{index} = "), request)
-    while engine.scheduler.needs_sync() or engine.runner.graphs.num_captured == 0:  # type: ignore[attr-defined]
-        engine.step()
-    for _ in range(10):  # every bucket and kind this batch needs is captured by now
-        engine.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(40):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_without_synchronising(engine, engine.runner.graphs, 40)  # type: ignore[attr-defined]
     assert engine.stats().num_running == 8
     while engine.has_unfinished_requests():
         engine.step()
