@@ -20,6 +20,25 @@ actions = st.lists(
 )
 
 
+def play(engine: Engine, actions: list[tuple[str, int, int]]) -> None:
+    """Add, abort and step as `actions` say, then run to the end; the KV manager's invariants
+    hold after every action and every page is free at the end."""
+    ids: list[str] = []
+    for kind, length, max_tokens in actions:
+        if kind == "add":
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, exit_threshold=0.6)
+            ids.append(engine.add_request(list(range(1, length + 1)), params))
+        elif kind == "abort" and ids:
+            engine.abort(ids[length % len(ids)])
+        else:
+            engine.step()
+        engine.kv.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check_invariants()
+    assert engine.stats().kv_pages_used == 0
+
+
 @settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -42,20 +61,7 @@ def test_engine_frees_every_page(
             max_num_batched_tokens=8,
         )
     )
-    ids: list[str] = []
-    for kind, length, max_tokens in actions:
-        if kind == "add":
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, exit_threshold=0.6)
-            ids.append(engine.add_request(list(range(1, length + 1)), params))
-        elif kind == "abort" and ids:
-            engine.abort(ids[length % len(ids)])
-        else:
-            engine.step()
-        engine.kv.check_invariants()
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.kv.check_invariants()
-    assert engine.stats().kv_pages_used == 0
+    play(engine, actions)
 
 
 @settings(
@@ -95,17 +101,4 @@ def test_speculating_engine_frees_every_page(
             },
         )
     )
-    ids: list[str] = []
-    for kind, length, max_tokens in actions:
-        if kind == "add":
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, exit_threshold=0.6)
-            ids.append(engine.add_request(list(range(1, length + 1)), params))
-        elif kind == "abort" and ids:
-            engine.abort(ids[length % len(ids)])
-        else:
-            engine.step()
-        engine.kv.check_invariants()
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.kv.check_invariants()
-    assert engine.stats().kv_pages_used == 0
+    play(engine, actions)
