@@ -14,7 +14,6 @@ Must not: check correctness (tests/kernels/test_fp8_matmul.py does).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.graph_replay import replay_ms
+from benchmarks.jsonl import emit
 from loopserve.bench.calibration import measure_ceilings
 from loopserve.kernels import fused_ops
 from loopserve.kernels.matmul import Tiling, linear, tiling_for
@@ -126,13 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             for record in measure(shape, rows, ceilings.copy_bytes_per_s):
-                line = json.dumps(
-                    {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
-                )
-                print(line, flush=True)
-                if args.out is not None:
-                    with args.out.open("a") as sink:
-                        sink.write(line + "\n")
+                rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
+                emit(rounded, args.out)
 
 
 if __name__ == "__main__":

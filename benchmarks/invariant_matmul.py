@@ -14,7 +14,6 @@ Must not: check correctness (tests/kernels/test_matmul.py does).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.graph_replay import replay_ms
+from benchmarks.jsonl import emit
 from loopserve.bench.calibration import measure_ceilings
 from loopserve.kernels import fused_ops
 from loopserve.kernels.matmul import gate_logit, linear
@@ -93,11 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             record["invariant_over_cublas"] = round(
                 figures["invariant_us"] / figures["cublas_us"], 3
             )
-            line = json.dumps(record)
-            print(line, flush=True)
-            if args.out is not None:
-                with args.out.open("a") as sink:
-                    sink.write(line + "\n")
+            emit(record, args.out)
 
 
 if __name__ == "__main__":

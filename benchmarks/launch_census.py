@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import traceback
 from collections.abc import Iterator
@@ -26,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from benchmarks.jsonl import emit
 
 # Views, aliases and allocations launch no kernel.
 NO_KERNEL = frozenset(
@@ -164,11 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         "ouro_24_layers": ouro,
         "two_layers": large.as_dict(),
     }
-    line = json.dumps(record)
-    print(line)
-    if args.out is not None:
-        with args.out.open("a") as handle:
-            handle.write(line + "\n")
+    emit(record, args.out)
 
 
 if __name__ == "__main__":

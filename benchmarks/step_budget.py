@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.jsonl import emit
 from benchmarks.step_profile import decode_step_kernels, device_step_ms, steady_engine
 from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ouro_config import OuroConfig
@@ -126,11 +127,7 @@ def main() -> int:
         model_dir = Path(directory)
         (model_dir / "config.json").write_text(json.dumps(OuroConfig().to_hf_dict()))
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            line = json.dumps(budget_record(concurrency, model_dir, args.max_model_len))
-            print(line, flush=True)
-            if args.out is not None:
-                with args.out.open("a") as handle:
-                    handle.write(line + "\n")
+            emit(budget_record(concurrency, model_dir, args.max_model_len), args.out)
             torch.cuda.empty_cache()
     return 0
 

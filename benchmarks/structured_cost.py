@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.jsonl import emit
+
 SCHEMA: dict[str, Any] = {
     "type": "array",
     "items": {
@@ -213,10 +215,7 @@ def _measure(args: argparse.Namespace, model: Path) -> int:
                 },
             }
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out is not None:
-                with args.out.open("a") as sink:
-                    sink.write(json.dumps(row) + "\n")
+            emit(row, args.out)
     print(
         "\n| C | exits | unconstrained tok/s | json_schema tok/s | ratio | grammar host ms/step "
         "| steps/token free, json | ms/step free, json | device wait ms/step free, json |"
