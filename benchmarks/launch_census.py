@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import traceback
 from collections.abc import Iterator
@@ -60,7 +61,9 @@ class Census:
         }
 
 
-def decode_step_census(layers: int, rows: int) -> Census:
+def decode_step_census(
+    layers: int, rows: int, speculative_config: dict[str, Any] | None = None
+) -> Census:
     """Launches of one decode step (one loop of `rows` rows) of a random model shaped like the
     built-in one but with `layers` layers. Needs TRITON_INTERPRET=1 set before the kernel modules
     are first imported (`main` sets it)."""
@@ -81,7 +84,7 @@ def decode_step_census(layers: int, rows: int) -> Census:
     model.ops = TritonOps()  # the layer ops of a CUDA device
     config = EngineConfig.from_options(
         device="cpu", dtype="bfloat16", attention_backend="triton", cuda_graphs=False,
-        async_scheduling=False, max_num_seqs=8,
+        async_scheduling=False, max_num_seqs=8, speculative_config=speculative_config,
     )  # fmt: skip
     engine = Engine(config, build_runner(config, model=model))
     for row in range(rows):
@@ -148,9 +151,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=1, help="rows in the decode step")
     parser.add_argument("--sites", type=int, default=25, help="call sites to print")
     parser.add_argument("--out", type=Path, help="also append the JSON line here")
+    parser.add_argument(
+        "--speculative-config", type=json.loads, default=None, help="JSON: count a lanes step"
+    )
     args = parser.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
-    small, large = decode_step_census(1, args.rows), decode_step_census(2, args.rows)
+    speculative = args.speculative_config
+    small = decode_step_census(1, args.rows, speculative)
+    large = decode_step_census(2, args.rows, speculative)
     layer = per_layer(small, large)
     fixed = small.launches - layer
     ouro = fixed + 24 * layer
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{count:5d}  {site}")
     record = {
         "bench": "launch_census",
+        "speculative_config": speculative,
         "per_layer": layer,
         "per_step": fixed,
         "ouro_24_layers": ouro,

@@ -56,7 +56,7 @@ def categorize(name: str) -> str:
 def profile_step(runner: ModelRunner, rows: int, kind: SamplingKind) -> dict[str, dict[str, float]]:
     """Per category: kernel launches and device microseconds of one eager decode step."""
     budget: dict[str, dict[str, float]] = defaultdict(lambda: {"kernels": 0, "device_us": 0.0})
-    for event in decode_step_kernels(runner, rows, kind):
+    for event in decode_step_kernels(runner.decode, rows, kind):
         device_us = getattr(event, "device_time_total", 0.0)
         if device_us <= 0:
             continue

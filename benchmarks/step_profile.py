@@ -24,18 +24,25 @@ from loopserve.bench.timed_runner import TimedRunner
 from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.models.ouro_config import OuroConfig
+from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_slots import SamplingKind
+from loopserve.runner.decode_step import DecodeStep
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.setup import build_runner
 from loopserve.sampling_params import SamplingParams
 
 
 def steady_engine(
-    concurrency: int, temperature: float, model_dir: Path, max_model_len: int | None
+    concurrency: int,
+    temperature: float,
+    model_dir: Path,
+    max_model_len: int | None,
+    speculative_config: dict[str, Any] | None = None,
 ) -> tuple[Engine, TimedRunner]:
     config = EngineConfig.from_options(
         model=str(model_dir), load_format="dummy", device="cuda", max_model_len=max_model_len,
         max_num_seqs=max(concurrency, 8), gpu_memory_utilization=0.4,
+        speculative_config=speculative_config,
     )  # fmt: skip
     runner = TimedRunner(build_runner(config))
     engine = Engine(config, runner)
@@ -64,22 +71,31 @@ def step_breakdown(engine: Engine, runner: TimedRunner, steps: int = 50) -> dict
     return {name: 1000 * value / steps for name, value in parts.items()}
 
 
+def _in_use(runner: ModelRunner) -> tuple[DecodeStep, GraphedDecodeStep | None]:
+    """The decode step the engine's steps run: the speculating lanes' where the runner has them
+    (this profile keeps the batch under `disable_by_batch_size`), else the plain one."""
+    if runner.speculating is not None:
+        return runner.speculating
+    return runner.decode, runner.graphs
+
+
 def _decode_rows(engine: Engine, runner: ModelRunner) -> tuple[int, SamplingKind]:
     slots = list(engine.scheduler.decode_slots)
-    return max(slots) + 1, runner.decode.sampling_kind(slots)
+    return max(slots) + 1, _in_use(runner)[0].sampling_kind(slots)
 
 
 def device_step_ms(engine: Engine, runner: ModelRunner, graphs: bool, repeats: int = 30) -> float:
     """Device time of one decode step over the engine's live slots (events around it); the
     step's state is restored afterwards."""
     rows, kind = _decode_rows(engine, runner)
-    saved = [tensor.clone() for tensor in runner.decode.state_tensors()]
+    step, graphed = _in_use(runner)
+    saved = [tensor.clone() for tensor in step.state_tensors()]
 
     def once() -> None:
-        if graphs:
-            runner.run_decode_step(rows, kind)
+        if graphs and graphed is not None:
+            graphed.run(rows, kind)
         else:
-            runner.decode.step(rows, kind)
+            step.step(rows, kind)
 
     with torch.inference_mode():
         once()
@@ -90,34 +106,40 @@ def device_step_ms(engine: Engine, runner: ModelRunner, graphs: bool, repeats: i
             once()
         end.record()
         end.synchronize()
-        for tensor, copy in zip(runner.decode.state_tensors(), saved, strict=True):
+        for tensor, copy in zip(step.state_tensors(), saved, strict=True):
             tensor.copy_(copy)
     return begin.elapsed_time(end) / repeats
 
 
-def decode_step_kernels(runner: ModelRunner, rows: int, kind: SamplingKind) -> list[Any]:
+def decode_step_kernels(step: DecodeStep, rows: int, kind: SamplingKind) -> list[Any]:
     """The profiler's per-kernel averages of one eager decode step; the step's state is restored
     afterwards."""
-    saved = [tensor.clone() for tensor in runner.decode.state_tensors()]
+    saved = [tensor.clone() for tensor in step.state_tensors()]
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
-        runner.decode.step(rows, kind)
+        step.step(rows, kind)
         torch.cuda.synchronize()
-        for tensor, copy in zip(runner.decode.state_tensors(), saved, strict=True):
+        for tensor, copy in zip(step.state_tensors(), saved, strict=True):
             tensor.copy_(copy)
     return list(prof.key_averages())
 
 
-def top_kernels(engine: Engine, runner: ModelRunner, count: int = 15) -> list[dict[str, object]]:
+def eager_kernels(engine: Engine, runner: ModelRunner, count: int = 25) -> dict[str, object]:
+    """The eager step's kernels: how many launches, their summed device time, the top `count`."""
     rows, kind = _decode_rows(engine, runner)
     events = sorted(
-        decode_step_kernels(runner, rows, kind),
+        decode_step_kernels(_in_use(runner)[0], rows, kind),
         key=lambda e: getattr(e, "device_time_total", 0.0),
         reverse=True,
     )
-    return [
+    top = [
         {"kernel": e.key[:90], "calls": e.count, "device_us": round(e.device_time_total, 1)}
         for e in events[:count]
     ]
+    return {
+        "launches": sum(e.count for e in events),
+        "device_us": round(sum(getattr(e, "device_time_total", 0.0) for e in events), 1),
+        "top": top,
+    }
 
 
 def launch_overhead_us(count: int = 2000) -> float:
@@ -136,6 +158,9 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,32")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--speculative-config", type=json.loads, default=None, help="JSON, as on bench offline"
+    )
     args = parser.parse_args()
     print(json.dumps({"launch_overhead_us": launch_overhead_us()}), flush=True)
     with tempfile.TemporaryDirectory() as directory:
@@ -143,17 +168,22 @@ def main() -> int:
         (model_dir / "config.json").write_text(json.dumps(OuroConfig().to_hf_dict()))
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             engine, timed = steady_engine(
-                concurrency, args.temperature, model_dir, args.max_model_len
+                concurrency,
+                args.temperature,
+                model_dir,
+                args.max_model_len,
+                args.speculative_config,
             )
             runner = timed.runner
             record: dict[str, object] = {
                 "concurrency": concurrency,
                 "max_model_len": engine.max_model_len,
                 "temperature": args.temperature,
+                "speculative_config": args.speculative_config,
                 "step_ms": step_breakdown(engine, timed),
                 "device_graph_ms": device_step_ms(engine, runner, graphs=True),
                 "device_eager_ms": device_step_ms(engine, runner, graphs=False),
-                "top_kernels": top_kernels(engine, runner),
+                "eager_kernels": eager_kernels(engine, runner),
             }
             print(json.dumps(record), flush=True)
             del engine, timed, runner

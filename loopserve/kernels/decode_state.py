@@ -45,7 +45,7 @@ def _prologue_kernel(
     tables_ptr, embed_ptr, rope_cos_ptr, rope_sin_ptr,
     ran_out, waiting_out, seq_lens_out, slot_mapping_out, page_table_out, cos_out, sin_out,
     hidden_out,
-    rows, num_planes, num_pages, block_size, null_slot, hidden_size, head_dim, rope_rows,
+    rows, lanes, num_planes, num_pages, block_size, null_slot, hidden_size, head_dim, rope_rows,
     NO_REFILL: tl.constexpr, FULL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_PAGES: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, BLOCK_HEAD: tl.constexpr,
 ):  # fmt: skip
@@ -63,11 +63,12 @@ def _prologue_kernel(
     ran = active & ~waiting
     tl.store(ran_out + row, ran)
     tl.store(waiting_out + row, waiting)
-    # KVLayout.decode_plane, then BlockTables.decode_metadata
+    # KVLayout.decode_plane, then BlockTables.decode_metadata (a speculating request's lanes
+    # share its slot's tables: row r is slot r // lanes)
     loop = tl.load(loop_ptr + row)
     plane = loop - 1 if FULL else tl.load(max_loops_ptr + row) - 1
     position = tl.load(position_ptr + row)
-    table_row = tables_ptr + (row * num_planes + plane) * num_pages
+    table_row = tables_ptr + ((row // lanes) * num_planes + plane) * num_pages
     page = tl.load(table_row + position // block_size).to(tl.int64)
     slot = page * block_size + position % block_size
     tl.store(slot_mapping_out + row, tl.where(ran, slot, null_slot))
@@ -97,10 +98,12 @@ def _prologue_kernel(
 def _decide_kernel(
     ran_ptr, hazard_ptr, loop_ptr, min_loops_ptr, max_loops_ptr, rule_ptr, threshold_ptr,
     survival_ptr, stop_next_ptr, trace_ptr, count_ptr, exited_out, survival_out, test_out,
-    trace_width,
+    samples_out, trace_width, DRAFT_LOOPS: tl.constexpr,
 ):  # fmt: skip
     """policy.after_loop with exit_test's arithmetic: whether each row exits (before the LM head,
-    which computes only exiting rows), its survival after this loop and whether the test held."""
+    which computes only exiting rows), its survival after this loop and whether the test held.
+    DRAFT_LOOPS > 0 (speculating lanes, runner/speculation.py): also the rows that sample, those
+    that exit and those that propose (ran DRAFT_LOOPS loops without exiting)."""
     row = tl.program_id(0).to(tl.int64)
     ran = tl.load(ran_ptr + row) != 0
     loop = tl.load(loop_ptr + row)
@@ -123,6 +126,29 @@ def _decide_kernel(
     tl.store(exited_out + row, exited)
     tl.store(survival_out + row, survival)
     tl.store(test_out + row, test)
+    if DRAFT_LOOPS > 0:
+        tl.store(samples_out + row, exited | (ran & (loop == DRAFT_LOOPS)))
+
+
+@triton.jit
+def exit_copies(
+    tables, source_out, destination_out, position, loop, max_loops, exited, num_planes,
+    num_pages, block_size, null_slot, BLOCK_PLANES: tl.constexpr,
+):  # fmt: skip
+    """`runner.decode_step.copy_on_exit` for one row of the `full` layout: the KV slot of each
+    plane (`tables`: the row's [planes, P] page table) copies from the plane the exit loop wrote
+    where KVLayout.copy_on_exit_target says, into the null slot elsewhere."""
+    planes = tl.arange(0, BLOCK_PLANES)
+    in_planes = planes < num_planes
+    page_index = position // block_size
+    offset = position % block_size
+    tables += page_index
+    pages = tl.load(tables + planes * num_pages, mask=in_planes).to(tl.int64)
+    slots = pages * block_size + offset
+    written = tl.load(tables + (loop - 1) * num_pages).to(tl.int64) * block_size + offset
+    target = exited & (planes >= loop) & (planes < max_loops)
+    tl.store(source_out + planes, written + 0 * planes, mask=in_planes)
+    tl.store(destination_out + planes, tl.where(target, slots, null_slot), mask=in_planes)
 
 
 @triton.jit
@@ -175,18 +201,11 @@ def _coda_kernel(
     # copy-on-exit slots (KVLayout.copy_on_exit_target), from the position before the update
     position = tl.load(position_ptr + row)
     if COPIES:
-        planes = tl.arange(0, BLOCK_PLANES)
-        in_planes = planes < num_planes
-        page_index = position // block_size
-        offset = position % block_size
-        tables = tables_ptr + row * num_planes * num_pages + page_index
-        pages = tl.load(tables + planes * num_pages, mask=in_planes).to(tl.int64)
-        slots = pages * block_size + offset
-        written = tl.load(tables + (loop - 1) * num_pages).to(tl.int64) * block_size + offset
-        target = exited & (planes >= loop) & (planes < max_loops)
-        tl.store(source_out + row * num_planes + planes, written + 0 * planes, mask=in_planes)
-        copies = tl.where(target, slots, null_slot)
-        tl.store(destination_out + row * num_planes + planes, copies, mask=in_planes)
+        exit_copies(
+            tables_ptr + row * num_planes * num_pages, source_out + row * num_planes,
+            destination_out + row * num_planes, position, loop, max_loops, exited, num_planes,
+            num_pages, block_size, null_slot, BLOCK_PLANES,
+        )  # fmt: skip
     # policy.advance and the step's state updates
     held = test & delayed
     tl.store(loop_ptr + row, tl.where(exited, 1, loop + ran.to(tl.int64)))
@@ -227,6 +246,7 @@ class SlotState(Protocol):
     threshold: torch.Tensor
     stop_ids: torch.Tensor
     trace_depths: torch.Tensor
+    seed: torch.Tensor  # read by the lanes' coda (kernels/lanes_state.py)
 
 
 @dataclass(slots=True)
@@ -262,8 +282,10 @@ class DecodeKernels:
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [positions, D]: model.rope(arange)
         no_refill: bool,
         full_layout: bool,
+        lanes: int = 1,  # decode rows per slot (a speculating request's lanes)
     ) -> None:
         self.state = state
+        self.lanes = lanes
         self.tables = tables
         self.block_size = block_size
         self.embedding = embedding
@@ -273,7 +295,7 @@ class DecodeKernels:
         slots, self.num_planes, self.num_pages = tables.shape
         self.hidden_size = state.hidden.shape[1]
         self.head_dim = self.rope_cos.shape[1]
-        self.block_rows = triton.next_power_of_2(slots)
+        self.block_rows = triton.next_power_of_2(slots * lanes)
         self.block_pages = min(triton.next_power_of_2(self.num_pages), 1024)
         self.block_hidden = min(triton.next_power_of_2(self.hidden_size), 4096)
 
@@ -297,8 +319,8 @@ class DecodeKernels:
             state.hidden, self.tables, self.embedding, self.rope_cos, self.rope_sin,
             start.ran, start.waiting, start.seq_lens, start.slot_mapping, start.page_table,
             start.cos, start.sin, start.hidden,
-            rows, self.num_planes, self.num_pages, self.block_size, NULL_PAGE * self.block_size,
-            self.hidden_size, self.head_dim, rope.shape[0],
+            rows, self.lanes, self.num_planes, self.num_pages, self.block_size,
+            NULL_PAGE * self.block_size, self.hidden_size, self.head_dim, rope.shape[0],
             NO_REFILL=self.no_refill, FULL=self.full_layout, BLOCK_ROWS=self.block_rows,
             BLOCK_PAGES=self.block_pages, BLOCK_HIDDEN=self.block_hidden,
             BLOCK_HEAD=triton.next_power_of_2(self.head_dim),
@@ -307,6 +329,20 @@ class DecodeKernels:
 
     def decide(self, start: Prologue, hazard: torch.Tensor) -> LoopOutcome:
         """policy.after_loop for rows [0, rows): [rows] tensors, fresh each step; `hazard` fp32."""
+        return self._decide(start, hazard, draft_loops=0)[0]
+
+    def decide_and_propose(
+        self, start: Prologue, hazard: torch.Tensor, draft_loops: int
+    ) -> tuple[LoopOutcome, torch.Tensor]:
+        """`decide`, and [rows] bool: the rows that sample a token, those that exit and those
+        that propose one (ran `draft_loops` loops without exiting; runner/speculation.py)."""
+        outcome, samples = self._decide(start, hazard, draft_loops)
+        assert samples is not None
+        return outcome, samples
+
+    def _decide(
+        self, start: Prologue, hazard: torch.Tensor, draft_loops: int
+    ) -> tuple[LoopOutcome, torch.Tensor | None]:
         state, device = self.state, self.tables.device
         rows = start.ran.shape[0]
         outcome = LoopOutcome(
@@ -314,14 +350,17 @@ class DecodeKernels:
             survival=torch.empty(rows, dtype=torch.float32, device=device),
             test=torch.empty(rows, dtype=torch.bool, device=device),
         )
+        samples = torch.empty(rows, dtype=torch.bool, device=device) if draft_loops else None
         trace = state.trace_depths
         _decide_kernel[(rows,)](
             start.ran, hazard, state.loop, state.min_loops, state.max_loops, state.rule,
             state.threshold, state.survival, state.stop_next, trace, state.output_count,
-            outcome.exited, outcome.survival, outcome.test, trace.shape[1],
+            outcome.exited, outcome.survival, outcome.test,
+            outcome.exited if samples is None else samples, trace.shape[1],
+            DRAFT_LOOPS=draft_loops,
             enable_fp_fusion=False,  # 1 - S * (1 - λ): torch rounds S before the difference
         )  # fmt: skip
-        return outcome
+        return outcome, samples
 
     def coda(
         self,

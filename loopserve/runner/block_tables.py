@@ -117,6 +117,12 @@ class BlockTables:
         """`decode_metadata` from its device tensors, built by `decode_metadata` or by the
         decode step's prologue kernel (kernels/decode_state.py)."""
         rows = seq_lens.shape[0]
+        if rows >= self._query_start.shape[0]:
+            raise ValueError(
+                f"decode metadata for {rows} rows from block tables built for "
+                f"{self._query_start.shape[0] - 1} (pass max_decode_rows: speculating requests "
+                "hold several rows each)"
+            )
         host = seq_lens.tolist() if host_lengths else None
         return AttentionMetadata(
             query_start=self._query_start[: rows + 1],

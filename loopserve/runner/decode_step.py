@@ -16,7 +16,8 @@ holds them bit for bit) and the path everywhere else; the copy-on-exit then runs
 can (`decode_rotary`) and the model's ops rotate as that kernel does (`rotary_is_fused_ops`).
 The exit decision comes before the LM head, which computes only the exiting rows' logits (the
 others are 0): with the fused ops a step where no row exits reads none of the LM head's weights.
-A speculating request's lanes run through `runner.speculation` instead, on the torch rules.
+A speculating request's lanes run through `runner.speculation` instead (fused likewise:
+`fused_loop`, then its own coda launch, kernels/lanes_state.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from loopserve.sample.sampler import (
 )
 
 if TYPE_CHECKING:
-    from loopserve.kernels.decode_state import DecodeKernels
+    from loopserve.kernels.decode_state import DecodeKernels, Prologue
 
 
 class DecodeStep(DecodeSlots):
@@ -65,11 +66,9 @@ class DecodeStep(DecodeSlots):
         self.kv = kv
         self.backend = backend
         device = self.device
-        speculative = config.speculative_config
-        # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too (not yet
-        # for speculating lanes, which run the torch rules on every device).
+        # Where the layer ops are fused Triton kernels (CUDA), the bookkeeping is too.
         self.kernels: DecodeKernels | None = None
-        if fused_kernels and model.fused_bookkeeping and speculative is None:
+        if fused_kernels and model.fused_bookkeeping:
             from loopserve.kernels.decode_state import DecodeKernels
 
             # RoPE rows of every position a page table holds (2 * positions * D values).
@@ -82,18 +81,19 @@ class DecodeStep(DecodeSlots):
                 rope=model.rope(torch.arange(positions, device=device)),
                 no_refill=self.scheduling is policy.Scheduling.NO_REFILL,
                 full_layout=self.layout.copies_on_exit,
+                lanes=self.lanes,
             )
 
     # ----- one loop (device only) -----------------------------------------------------------
 
     def step(self, rows: int, kind: SamplingKind) -> torch.Tensor:
         """One loop for slots [0, rows). Returns the result record [rows, RESULT_COLUMNS + 2K]."""
-        if self.kernels is not None:
-            return self._fused_step(rows, kind, self.kernels)
         if self.lanes > 1:
             if self.speculation is None:
                 raise RuntimeError("a speculative_config's decode step was handed no lanes")
             return self.speculation.step(rows, kind)
+        if self.kernels is not None:
+            return self._fused_step(rows, kind, self.kernels)
         active = self.active[:rows]
         row = self.row_depth(rows)
         ran, waiting = policy.runs(
@@ -131,14 +131,7 @@ class DecodeStep(DecodeSlots):
     def _fused_step(self, rows: int, kind: SamplingKind, kernels: DecodeKernels) -> torch.Tensor:
         """`step` with the bookkeeping around the loop in two launches (kernels/decode_state.py,
         the twin of the torch path above, which is the reference it is tested against)."""
-        start = kernels.prologue(rows, self._runnable(rows, kind))
-        metadata = self.block_tables.decode_metadata_from(
-            start.seq_lens, start.page_table, start.slot_mapping, self._host_lengths
-        )
-        if self.backend.decode_rotary and self.model.ops.rotary_is_fused_ops:
-            # RoPE inside the decode kernel (one launch less a layer), with the ops' own bits.
-            metadata = dataclasses.replace(metadata, rope=(start.cos, start.sin))
-        out = self._loop(start.hidden, start.cos, start.sin, metadata)
+        start, out = self.fused_loop(kernels, rows, self._runnable(rows, kind))
         hazard = self.model.exit_probability(out, start.hidden, self.threshold[:rows])
         outcome = kernels.decide(start, hazard)
         sampled = self.choose(rows, kind, out, outcome.exited)
@@ -152,6 +145,20 @@ class DecodeStep(DecodeSlots):
 
             copy_kv_slots(self.kv, *coda.copies)  # `kv.copy_slots` in one launch
         return coda.record
+
+    def fused_loop(
+        self, kernels: DecodeKernels, rows: int, runnable: torch.Tensor
+    ) -> tuple[Prologue, torch.Tensor]:
+        """The prologue launch and one loop of rows [0, rows) (those of `runnable` [rows] that
+        `policy.runs` lets run): (the prologue's tensors, the loop's output)."""
+        start = kernels.prologue(rows, runnable)
+        metadata = self.block_tables.decode_metadata_from(
+            start.seq_lens, start.page_table, start.slot_mapping, self._host_lengths
+        )
+        if self.backend.decode_rotary and self.model.ops.rotary_is_fused_ops:
+            # RoPE inside the decode kernel (one launch less a layer), with the ops' own bits.
+            metadata = dataclasses.replace(metadata, rope=(start.cos, start.sin))
+        return start, self._loop(start.hidden, start.cos, start.sin, metadata)
 
     def forward(
         self,

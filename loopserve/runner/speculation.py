@@ -27,10 +27,17 @@ done lane reports is the one decoding without speculation samples (same logits, 
 a proposal is kept only when it equals that token. So every token, exit depth and log-prob is
 the same as without speculation, for greedy and seeded sampling alike (docs/speculation.md).
 
+Where the decode step's bookkeeping is fused (CUDA), everything after the exit decision is one
+launch, `kernels/lanes_state.py`'s coda, the twin of the torch rules here (which stay the
+reference and the path everywhere else; tests/kernels/test_lanes_state.py holds them bit for
+bit).
+
 Must not: read anything from the host during `step`; it stays capturable in a CUDA graph.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +54,9 @@ from loopserve.runner.step_record import (
 )
 from loopserve.sample.noise import uniform_draws
 from loopserve.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from loopserve.kernels.lanes_state import LanesCoda
 
 # Keeps `forced_acceptance` draws apart from the sampling noise of the same seed.
 FORCED_SALT = 0x5EC0_1A7E
@@ -72,6 +82,13 @@ class SpeculativeLanes:
         self._slot_of_row = torch.arange(rows, device=device) // lanes
         self._first_lane = torch.arange(slots, device=device) * lanes  # each slot's lane 0 row
         self._offsets = torch.arange(lanes, device=device)
+        # Where the decode step's bookkeeping is fused (CUDA), the lanes' is too.
+        self.coda: LanesCoda | None = None
+        if step.kernels is not None:
+            from loopserve.kernels.lanes_state import LanesCoda, LanesSettings
+
+            settings = LanesSettings(lanes, self.draft_loops, self.forced_acceptance, FORCED_SALT)
+            self.coda = LanesCoda(step.kernels, settings)
 
     def _forced(self, order: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
         """`forced_acceptance`: whether each lane's proposal is kept [rows, lanes], drawn from
@@ -113,6 +130,8 @@ class SpeculativeLanes:
         """One loop for every lane of slots [0, rows). Returns the result record
         [rows * lanes, columns]: each slot's lanes from its oldest unfinished token on, with the
         tokens that became final this step marked EXITED, in order."""
+        if self.coda is not None:
+            return self._fused_step(rows, kind, self.coda)
         step, lanes = self.decode, self.lanes
         count = rows * lanes
         table_rows = self._slot_of_row[:count]
@@ -238,4 +257,22 @@ class SpeculativeLanes:
         self.out_token[:count] = by_lane(produced)
         self.out_depth[:count] = out_depth
         self.head[:rows] = head + num_reported
+        return record
+
+    def _fused_step(self, rows: int, kind: SamplingKind, coda: LanesCoda) -> torch.Tensor:
+        """`step` in four launches around the loop, the prologue, the exit decision, the coda
+        and the copy-on-exit (kernels/decode_state.py, kernels/lanes_state.py: twins of the
+        torch path above, which is the reference they are tested against)."""
+        from loopserve.kernels.kv_copy import copy_kv_slots
+
+        step = self.decode
+        count = rows * self.lanes
+        start, out = step.fused_loop(coda.kernels, count, step.active[:count] & ~self.done[:count])
+        hazard = step.model.exit_probability(out, start.hidden, step.threshold[:count])
+        outcome, samples = coda.kernels.decide_and_propose(start, hazard, self.draft_loops)
+        sampled = step.choose(count, kind, out, samples)
+        width = RESULT_COLUMNS + 2 * sampled.top_ids.shape[1] + EXTRA_COLUMNS
+        columns = (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+        record, copies = coda(tuple(self.state_tensors()), start, outcome, out, columns, width)
+        copy_kv_slots(step.kv, *copies)
         return record

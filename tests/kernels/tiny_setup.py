@@ -51,9 +51,10 @@ def paged_kv(
     block_size: int,
     device: torch.device,
     cache: torch.Generator,
+    lanes: int = 1,
 ) -> tuple[KVStorage, BlockTables]:
     """KV storage for every page of `pages`, random values drawn from `cache`, and block tables
-    holding `pages`."""
+    holding `pages` (for `lanes` decode rows per slot)."""
     config, (slots, planes, per_slot) = model.config, pages.shape
     kv = KVStorage(
         num_layers=config.num_hidden_layers,
@@ -65,6 +66,6 @@ def paged_kv(
         device=device,
     )
     kv.cache.copy_(torch.randn(kv.cache.shape, generator=cache).to(model.dtype))
-    tables = BlockTables(slots, planes, per_slot, block_size, device)
+    tables = BlockTables(slots, planes, per_slot, block_size, device, slots * lanes)
     tables.tables.copy_(pages)
     return kv, tables

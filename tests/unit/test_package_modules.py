@@ -59,8 +59,8 @@ MODULES: dict[str, set[str]] = {
     },
     "kernels": {
         "__init__", "availability", "decode_plan", "decode_row", "decode_state", "decode_tiles",
-        "fused_ops", "kv_copy", "kv_write", "matmul", "noise", "paged_decode", "paged_prefill",
-        "sampling",
+        "fused_ops", "kv_copy", "kv_write", "lanes_state", "matmul", "noise", "paged_decode",
+        "paged_prefill", "sampling",
     },
     "kv": {"__init__", "layout", "metadata", "pages", "storage", "transfer"},
     "models": {
