@@ -137,15 +137,14 @@ class SchedulerConfig:
         "full; docs/speculation.md)",
     )
 
-    @property
-    def lanes(self) -> int:
-        """Decode rows per request slot: one, or one per token a speculating request has in
-        flight (`SpeculativeConfig.lanes`)."""
-        return 1 if self.speculative_config is None else self.speculative_config.lanes
+    def lanes(self, num_loops: int) -> int:
+        """Decode rows per request slot on a model of `num_loops` loops: one, or one per token
+        a speculating request can have in flight (`SpeculativeConfig.lanes`)."""
+        speculative = self.speculative_config
+        return 1 if speculative is None else speculative.lanes(num_loops)
 
-    @property
-    def max_decode_rows(self) -> int:
-        return self.max_num_seqs * self.lanes
+    def max_decode_rows(self, num_loops: int) -> int:
+        return self.max_num_seqs * self.lanes(num_loops)
 
     def __post_init__(self) -> None:
         _coerce_enums(self)

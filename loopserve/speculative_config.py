@@ -83,10 +83,17 @@ class SpeculativeConfig:
                 "checked by the loops after it"
             )
 
-    @property
-    def lanes(self) -> int:
-        """Decode rows one request holds: its final token's and one per proposed token."""
-        return self.num_speculative_tokens + 1
+    def lanes(self, num_loops: int) -> int:
+        """Decode rows one request holds on a model of `num_loops` loops: one per token it can
+        have in flight, its oldest unfinished one's and one per proposal (at most K).
+
+        More than `num_loops - draft_loops + 1` are never in flight, whatever the exit rules, so
+        more rows would only be computed idle (docs/speculation.md, "Lanes"): a request's oldest
+        unfinished token has a successor only once it has run `draft_loops` loops, each step
+        adds at most one token behind it, and it finishes by loop `num_loops`. So after it has
+        run r loops at most r - draft_loops + 2 tokens are in flight, and r < num_loops while
+        it is unfinished."""
+        return min(self.num_speculative_tokens + 1, num_loops - self.draft_loops + 1)
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:

@@ -19,7 +19,8 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
 if [[ ",$PARTS," == *",tests,"* ]]; then
-  "$PYTHON" -m pytest -q -m gpu tests/gpu/test_speculation_gpu.py -p no:cacheprovider \
+  "$PYTHON" -m pytest -q -m gpu tests/gpu/test_speculation_gpu.py tests/kernels/test_lanes_state.py \
+    tests/kernels/test_decode_state.py -p no:cacheprovider \
     >"$OUT/tests.log" 2>&1 || echo "tests failed (rc $?)" | tee -a "$OUT/tests.log"
   tail -3 "$OUT/tests.log"
 fi
@@ -41,7 +42,9 @@ params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, exit_th
 report = {}
 for invariant in (True, False):
     outputs = {}
-    for speculative in (None, {"num_speculative_tokens": 4, "draft_loops": 2}):
+    # Speculating at every batch size (the default turns it off above 16 decoding requests).
+    spec = {"num_speculative_tokens": 4, "draft_loops": 2, "disable_by_batch_size": None}
+    for speculative in (None, spec):
         engine = Engine(EngineConfig.from_options(
             model=model, device="cuda", dtype="bfloat16", max_num_seqs=32,
             batch_invariant=invariant, speculative_config=speculative, num_kv_pages=8192))

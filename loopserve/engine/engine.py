@@ -95,6 +95,7 @@ class Engine:
         self.scheduler = Scheduler(
             scheduler_config,
             self.kv,
+            self.model_config.num_loops,
             pinned_swap_pages=self.info.pinned_swap_pages,
             replays=self.model_config.num_stage_layers == 0,
         )

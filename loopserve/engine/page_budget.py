@@ -18,13 +18,13 @@ from loopserve.request import Request
 
 
 class PageBudget:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, lanes: int) -> None:
         self.config = config
         self.layout = config.kv_layout
         self.reserve = config.kv_allocation is KVAllocation.RESERVE
         self.kv = kv
         self.watermark = math.ceil(config.kv_watermark * kv.num_usable_pages)
-        self.lanes = config.lanes
+        self.lanes = lanes  # decode rows per request (SchedulerConfig.lanes)
 
     def pages_needed(self, request: Request) -> int:
         """Every page the request can ever hold at once."""

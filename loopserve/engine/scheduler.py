@@ -49,6 +49,7 @@ from loopserve.sampling_params import SamplingInfo
 
 class Scheduler:
     """Args:
+    num_loops: the model's loop count (a speculating request's lanes depend on it).
     pinned_swap_pages: pages the runner's pinned swap space holds (None: host memory needs no
         pinning), for `preemption_mode="auto"`.
     replays: the model's prefill can replay generated tokens (no prelude or coda layers).
@@ -58,13 +59,14 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
+        num_loops: int,
         pinned_swap_pages: int | None = None,
         replays: bool = True,
     ) -> None:
         self.config = config
         self.layout = config.kv_layout
         self.kv = kv
-        self.pages = PageBudget(config, kv)
+        self.pages = PageBudget(config, kv, config.lanes(num_loops))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._running_by_id: dict[str, Request] = {}

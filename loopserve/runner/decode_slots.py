@@ -73,8 +73,8 @@ class DecodeSlots:
         device = self.device = block_tables.device
         # Decode rows per request slot: 1, or one per token a speculating request has in flight
         # (its lanes, runner/speculation.py); row r belongs to slot r // lanes.
-        self.lanes = config.lanes
-        slots = config.max_decode_rows
+        self.lanes = config.lanes(model.config.num_loops)
+        slots = config.max_decode_rows(model.config.num_loops)
 
         def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
             return torch.zeros((slots, *shape), dtype=dtype, device=device)

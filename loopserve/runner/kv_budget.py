@@ -56,7 +56,7 @@ def profile_step_peak(model: LoopedForCausalLM, config: EngineConfig, device: to
 
     context = LoopContext(cos, sin, attention)
     hidden = model.run_loop(hidden, context)
-    rows = min(config.scheduler.max_decode_rows, tokens)
+    rows = min(config.scheduler.max_decode_rows(model.config.num_loops), tokens)
     params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)
     infos = [SamplingInfo(params, 0, 0)] * rows
     every_token = b"\xff" * (4 * mask_words(model.config.vocab_size))
@@ -145,7 +145,9 @@ def check_slot_state(config: EngineConfig, model: LoopedForCausalLM, device: tor
     for them (or profiled with them)."""
     slots, default = config.scheduler.max_num_seqs, SchedulerConfig().max_num_seqs
     element = model.dtype.itemsize
-    lanes = config.scheduler.lanes  # an upper bound: every lane as much as a slot
+    lanes = config.scheduler.lanes(
+        model.config.num_loops
+    )  # an upper bound: every lane as much as a slot
     needed = slots * lanes * slot_bytes(config, model.config, element, model.carried_size)
     if needed > free_memory(device):
         raise ValueError(

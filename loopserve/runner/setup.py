@@ -183,7 +183,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         pages_for(max_model_len, scheduler.block_size),
         scheduler.block_size,
         device,
-        max_decode_rows=scheduler.max_decode_rows,
+        max_decode_rows=scheduler.max_decode_rows(model_config.num_loops),
     )
     traced = scheduler.exit_mode is ExitMode.TRACE
     trace_length = max_model_len if traced else 1

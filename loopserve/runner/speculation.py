@@ -1,8 +1,9 @@
 """Self-speculative decoding in the decode step: a request's lanes, its proposals and their check.
 
 Owns: the state of a speculating request's lanes and the step that runs them. A request holds
-`lanes` = K + 1 decode rows; the token at position p lives in lane p % lanes, so its successor is
-the next lane round the ring and nothing ever moves. Each step:
+`lanes` decode rows (K + 1, or fewer where no more can be in flight: `SpeculativeConfig.lanes`);
+the token at position p lives in lane p % lanes, so its successor is the next lane round the
+ring and nothing ever moves. Each step:
 
 1. every lane that holds a token still running goes through one loop, at its own depth, as any
    row does (`DecodeStep.forward`; a lane's K/V go where the token's position says, in its
@@ -65,7 +66,7 @@ FORCED_SALT = 0x5EC0_1A7E
 class SpeculativeLanes:
     def __init__(self, step: DecodeStep, config: SpeculativeConfig, slots: int) -> None:
         self.decode = step
-        self.lanes = lanes = config.lanes
+        self.lanes = lanes = step.lanes
         self.draft_loops = config.draft_loops
         self.forced_acceptance = config.forced_acceptance
         device = step.device

@@ -23,8 +23,22 @@ def test_a_dict_and_its_json_give_the_same_config() -> None:
     text = '{"method": "draft_loops", "num_speculative_tokens": 3, "draft_loops": 1}'
     from_text = EngineConfig.from_options(speculative_config=text).scheduler.speculative_config
     assert from_dict == from_text == SpeculativeConfig(num_speculative_tokens=3, draft_loops=1)
-    assert from_dict is not None and from_dict.lanes == 4
     assert SchedulerConfig().speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("num_loops", "tokens", "draft_loops", "lanes"),
+    [(4, 4, 2, 3), (4, 1, 2, 2), (4, 8, 1, 4), (4, 8, 3, 2), (2, 4, 1, 2), (8, 2, 2, 3)],
+)
+def test_lanes_are_what_can_be_in_flight(
+    num_loops: int, tokens: int, draft_loops: int, lanes: int
+) -> None:
+    """K + 1 rows, but never more than num_loops - draft_loops + 1 (the most tokens a request
+    can have in flight): more would only run idle."""
+    config = SpeculativeConfig(num_speculative_tokens=tokens, draft_loops=draft_loops)
+    assert config.lanes(num_loops) == lanes
+    scheduler = SchedulerConfig(speculative_config=config, max_num_seqs=3)
+    assert scheduler.max_decode_rows(num_loops) == 3 * lanes
 
 
 @pytest.mark.parametrize(

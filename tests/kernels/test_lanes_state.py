@@ -71,7 +71,9 @@ def _pair(
     pages = shuffled_pages(SLOTS, model.config.num_loops, PAGES, generator)
     steps = []
     for fused in (False, True):
-        kv, tables = paged_kv(model, pages, BLOCK, device, generator, speculative.lanes)
+        kv, tables = paged_kv(
+            model, pages, BLOCK, device, generator, speculative.lanes(model.config.num_loops)
+        )
         step = DecodeStep(model, kv, backend, tables, scheduler, PAGES * BLOCK, fused)
         step.speculate(SpeculativeLanes(step, speculative, SLOTS))
         steps.append(step)
