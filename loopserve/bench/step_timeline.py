@@ -150,6 +150,7 @@ class _TrialSteps:
         before = (timed.launch_s, timed.wait_s, timed.executed, kv.pages_taken, kv.pages_released)
         preemptions = engine.scheduler.stats.preemptions
         allocator = _allocator_counters(self.device)
+        captured = self.runner.graphs_captured
         begin = time.perf_counter()
         outputs = engine.step()
         wall = time.perf_counter() - begin
@@ -175,6 +176,7 @@ class _TrialSteps:
             "waiting": len(engine.scheduler.waiting),
             "kv_pages_used": kv.num_used_pages,
             "host_swap_pages": self.runner.swap.num_saved_pages,
+            "graph_captures": self.runner.graphs_captured - captured,
             "profiled": profiled,
             **{name: after[name] - allocator[name] for name in after},
         }
@@ -199,6 +201,7 @@ class _TrialSteps:
             # graph (graphs off, or not CUDA: no).
             "bucket": row_bucket(rows, self.max_rows) if rows else None,
             "graph": rows > 0 and self.runner.graphs is not None,
+            "speculate": scheduled.speculate,
             "prefill_chunks": len(chunks),
             "prefill_tokens": sum(len(chunk.token_ids) for chunk in chunks),
             "table_entries": sum(len(update.page_ids) for update in scheduled.page_updates),

@@ -57,6 +57,16 @@ def _decode_path(step: StepRecord) -> str:
     return "CUDA graph" if step["graph"] else "eager"
 
 
+def _decode_step(step: StepRecord) -> str:
+    if not step["rows"]:
+        return "no decode"
+    return "speculating" if step.get("speculate") else "plain"
+
+
+def _captures(step: StepRecord) -> str:
+    return "captured a graph" if step.get("graph_captures") else "no capture"
+
+
 def _row_bucket(step: StepRecord) -> str:
     if not step["rows"]:
         return "no decode"
@@ -69,6 +79,8 @@ GROUPINGS: dict[str, Callable[[StepRecord], str]] = {
     "swap": _swap,
     "read-back": _read_back,
     "decode path": _decode_path,
+    "decode step": _decode_step,
+    "graph capture": _captures,
     "row bucket": _row_bucket,
 }
 

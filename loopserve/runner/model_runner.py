@@ -94,6 +94,15 @@ class ModelRunner:
     def info(self) -> RunnerInfo:
         return self._info
 
+    @property
+    def graphs_captured(self) -> int:
+        """CUDA graphs captured so far: the decode step's, the speculating step's and the
+        prompt loop's (each is captured on first use of its shape)."""
+        all_graphs = [self.graphs, self.prompts.graphs]
+        if self.speculating is not None:
+            all_graphs.append(self.speculating[1])
+        return sum(graphs.num_captured for graphs in all_graphs if graphs is not None)
+
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> PendingOutput:
         """Run one step. Only the decode step's part may still be running when this returns."""

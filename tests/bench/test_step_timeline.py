@@ -18,6 +18,7 @@ FIELDS = {
     "table_entries", "slot_starts", "swap_out_requests", "swap_out_pages", "swap_out_bytes",
     "swap_in_requests", "swap_in_pages", "swap_in_bytes", "pages_taken", "pages_released",
     "preemptions", "running", "waiting", "kv_pages_used", "host_swap_pages", "profiled",
+    "speculate", "graph_captures",
 }  # fmt: skip
 
 
@@ -43,7 +44,8 @@ def test_timeline_records_every_step_and_its_summary_adds_up(
     assert any(step["sync"] for step in steps)
     for step in steps:
         assert step["step_ms"] >= step["launch_ms"] + step["wait_ms"] >= 0
-        assert step["graph"] is False  # CPU: eager
+        assert step["graph"] is False and step["graph_captures"] == 0  # CPU: eager
+        assert step["speculate"] is False
         assert step["rows"] >= step["decode_rows"]
     used = 0  # the trial starts with an empty cache (no warm-up)
     for step in steps:
@@ -66,3 +68,25 @@ def test_timeline_records_every_step_and_its_summary_adds_up(
     assert (tmp_path / "steps-summary.md").read_text() in out
     profile = (tmp_path / "steps-profile.txt").read_text()
     assert "steps 2..4" in profile and "sorted by cpu_time_total" in profile
+
+
+def test_timeline_says_which_decode_step_ran(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """With speculation and its off-switch at one request, the steps with more than one
+    decoding request run the plain step and the others the speculating one (one prompt per
+    step: the first request decodes alone before the second joins it, and after it ends)."""
+    timeline = tmp_path / "steps.jsonl"
+    code = main([
+        "bench", "offline", "--model", str(tiny_checkpoint), "--device", "cpu",
+        "--workload", "14/12", "--concurrency", "2", "--exits", "fixed", "--scheduling", "refill",
+        "--trials", "1", "--warmup-output-len", "0", "--step-timeline", str(timeline),
+        "--max-num-batched-tokens", "14",
+        "--speculative-config", '{"num_speculative_tokens": 2, "disable_by_batch_size": 1}',
+    ])  # fmt: skip
+    assert code == 0
+    steps = [json.loads(line) for line in timeline.read_text().splitlines()]
+    decoding = [step for step in steps if step["decode_rows"]]
+    assert {step["speculate"] for step in decoding} == {True, False}
+    for step in decoding:
+        assert step["speculate"] == (step["decode_rows"] <= 1)
+    grouped = group_steps(steps)["decode step"]
+    assert {"speculating", "plain"} <= set(grouped)
