@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 "threshold": threshold, "k": k, "d": d,
                 "proposed": stats.proposed_tokens,
                 "acceptance": round(stats.proposal_acceptance_rate, 4),
+                "mean_accepted_length": round(stats.mean_accepted_length, 4),
                 "steps_per_token": round(steps / tokens, 4),
                 "plain_steps_per_token": round(plain_steps / tokens, 4),
                 "step_ratio": round(steps / plain_steps, 4),

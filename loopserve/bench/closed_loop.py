@@ -151,6 +151,7 @@ def _counters(before: EngineStats, after: EngineStats) -> EngineCounters:
         preemptions=after.num_preemptions - before.num_preemptions,
         proposed_tokens=after.proposed_tokens - before.proposed_tokens,
         confirmed_tokens=after.confirmed_tokens - before.confirmed_tokens,
+        speculative_drafts=after.speculative_drafts - before.speculative_drafts,
         prefix_hit_rate=_rate(
             after.prefix_hit_tokens - before.prefix_hit_tokens,
             after.prefix_query_tokens - before.prefix_query_tokens,

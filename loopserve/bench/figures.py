@@ -55,6 +55,7 @@ FIGURES = (
     "prefix_hit_rate",
     "proposed_tokens",
     "proposal_acceptance",
+    "mean_accepted_length",
 )
 
 
@@ -123,6 +124,11 @@ def trial_figures(trial: TrialRecord, model: ModelBytes, ceilings: Ceilings) -> 
         "proposal_acceptance": (
             counters.confirmed_tokens / counters.proposed_tokens
             if counters.proposed_tokens
+            else None
+        ),
+        "mean_accepted_length": (
+            1 + counters.confirmed_tokens / counters.speculative_drafts
+            if counters.speculative_drafts
             else None
         ),
     }

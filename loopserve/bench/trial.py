@@ -35,6 +35,7 @@ class EngineCounters:
     prefix_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens admitted
     proposed_tokens: int = 0  # speculation: proposals that got a decode row
     confirmed_tokens: int = 0  # speculation: proposals found equal to the final token
+    speculative_drafts: int = 0  # speculation: chains of proposals (EngineStats says)
 
 
 @dataclass(frozen=True, slots=True)

@@ -382,6 +382,7 @@ class Engine:
             prefix_query_tokens=scheduler.prefix_query_tokens,
             proposed_tokens=scheduler.proposed_tokens,
             confirmed_tokens=scheduler.confirmed_tokens,
+            speculative_tokens=scheduler.speculative_tokens,
             speculating=self.scheduler.speculating,
             speculation_switches=scheduler.speculation_switches,
         )

@@ -480,6 +480,8 @@ class Scheduler:
                     f"{request.request_id!r} stopped"
                 )
             changed.append((request, len(tokens)))
+            if scheduled.speculate:
+                self.stats.speculative_tokens += len(tokens)
 
     def _append_token(self, request: Request, sampled: SampledToken, depth: int) -> None:
         """Record a generated token and finish the request if it ends it. The decode step applies

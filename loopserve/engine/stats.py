@@ -24,6 +24,7 @@ class SchedulerStats:
     # Speculation: proposed tokens that got a decode row, and those equal to the final token.
     proposed_tokens: int = 0
     confirmed_tokens: int = 0
+    speculative_tokens: int = 0  # tokens made final by speculating decode steps
     speculation_switches: int = 0  # steps that turned speculation on or off
     # Prompt tokens looked up in the prefix cache, and those found there.
     prefix_query_tokens: int = 0
@@ -69,9 +70,22 @@ class EngineStats:
     # equal to the final token, and the share confirmed (0 without speculation).
     proposed_tokens: int = 0
     confirmed_tokens: int = 0
+    speculative_tokens: int = 0  # tokens made final by speculating decode steps
     speculating: bool = False  # the last step ran the speculating decode step
     speculation_switches: int = 0  # steps that turned speculation on or off (disable_by_batch_size)
 
     @property
     def proposal_acceptance_rate(self) -> float:
         return self.confirmed_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def speculative_drafts(self) -> int:
+        """Chains: a final token of a speculating step that is not a confirmed proposal starts
+        one, and the confirmed proposals after it extend it (vLLM's draft rounds)."""
+        return max(self.speculative_tokens - self.confirmed_tokens, 0)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per chain, 1 + accepted / drafts as vLLM reports it (0 without speculation)."""
+        drafts = self.speculative_drafts
+        return 1 + self.confirmed_tokens / drafts if drafts else 0.0

@@ -144,6 +144,7 @@ def test_speculation_is_recorded_with_its_counts(tiny_checkpoint: Path, tmp_path
     (run,) = [record for record in records if record["record"] == "offline"]
     assert run["config"]["speculative_config"]["forced_acceptance"] == 0.9
     assert run["figures"]["proposed_tokens"] > 0 and run["figures"]["proposal_acceptance"] > 0.5
+    assert run["figures"]["mean_accepted_length"] > 1.0
 
 
 def test_a_bad_speculative_config_is_refused_before_anything_runs(

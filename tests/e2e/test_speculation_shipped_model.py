@@ -101,6 +101,13 @@ def test_speculation_changes_no_output(
     confirmed = after.confirmed_tokens - before.confirmed_tokens
     # Trained weights: most proposals are right, and not all.
     assert proposed > 40 and 0.3 * proposed < confirmed < proposed, (proposed, confirmed)
+    # Every step speculates, so every token but each request's first (the prompt's) is made
+    # final by one; chains of confirmed proposals are what speculation gains.
+    made = after.speculative_tokens - before.speculative_tokens
+    assert made == after.generated_tokens - before.generated_tokens - len(PROMPTS)
+    drafts = after.speculative_drafts - before.speculative_drafts
+    assert drafts == made - confirmed > 0
+    assert after.mean_accepted_length > 1.5
 
 
 def test_many_seeds_sample_what_decoding_without_speculation_samples() -> None:

@@ -99,6 +99,7 @@ class FakeEngine:
             prefill_tokens=0, generated_tokens=0, num_preemptions=3, recomputed_tokens=5,
             prefix_cache_hit_rate=0.25,
             prefix_hit_tokens=16, prefix_query_tokens=64, proposed_tokens=7, confirmed_tokens=6,
+            speculative_tokens=9,
         )  # fmt: skip
 
 
@@ -250,6 +251,7 @@ def test_histogram_and_metrics_render_prometheus_text() -> None:
     assert "loopserve:prefix_cache_hits_total 16" in rendered
     assert "loopserve:spec_decode_num_draft_tokens_total 7" in rendered
     assert "loopserve:spec_decode_num_accepted_tokens_total 6" in rendered
+    assert "loopserve:spec_decode_num_drafts_total 3" in rendered  # 9 tokens, 6 confirmed
 
 
 def test_chat_templates() -> None:

@@ -56,3 +56,4 @@ def test_one_event_per_token_and_the_outputs_of_plain_decoding(speculating: Runn
     drafted = metrics["loopserve:spec_decode_num_draft_tokens_total"]
     assert drafted > 20
     assert 0 < metrics["loopserve:spec_decode_num_accepted_tokens_total"] < drafted
+    assert 0 < metrics["loopserve:spec_decode_num_drafts_total"] < drafted

@@ -137,6 +137,9 @@ class ServerMetrics:
             ("spec_decode_num_accepted_tokens_total",
              "Speculation: proposed tokens found equal to the final token.",
              stats.confirmed_tokens),
+            ("spec_decode_num_drafts_total",
+             "Speculation: chains of proposals (1 + accepted / drafts is the mean accepted "
+             "length).", stats.speculative_drafts),
         ]  # fmt: skip
         lines: list[str] = []
         for name, help_text, value in gauges:
