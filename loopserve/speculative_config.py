@@ -12,6 +12,8 @@ from typing import Any
 
 SPECULATIVE_METHODS = ("draft_loops",)
 MAX_SPECULATIVE_TOKENS = 16
+# How errors name the setting: the field and its flag, as `config.option_name` does.
+SETTING = "speculative_config (--speculative-config)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
-                f"speculative_config method must be one of {SPECULATIVE_METHODS} (the model's "
+                f"{SETTING} method must be one of {SPECULATIVE_METHODS} (the model's "
                 f"own first loops draft), got {self.method!r}"
             )
         for name, low, high in (
@@ -48,23 +50,21 @@ class SpeculativeConfig:
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(
-                    f"speculative_config {name} must be an integer >= {low}, got {value!r}"
-                )
+                raise ValueError(f"{SETTING} {name} must be an integer >= {low}, got {value!r}")
             if high is not None and value > high:
-                raise ValueError(f"speculative_config {name} must be at most {high}, got {value}")
+                raise ValueError(f"{SETTING} {name} must be at most {high}, got {value}")
         limit = self.disable_by_batch_size
         if limit is not None and (
             not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
         ):
             raise ValueError(
-                f"speculative_config disable_by_batch_size must be an integer >= 1 (or null: "
+                f"{SETTING} disable_by_batch_size must be an integer >= 1 (or null: "
                 f"never off), got {limit!r}"
             )
         forced = self.forced_acceptance
         if forced is not None and not (isinstance(forced, (int, float)) and 0.0 <= forced <= 1.0):
             raise ValueError(
-                f"speculative_config forced_acceptance must be a probability in [0, 1] (or "
+                f"{SETTING} forced_acceptance must be a probability in [0, 1] (or "
                 f"null), got {forced!r}"
             )
 
@@ -72,13 +72,13 @@ class SpeculativeConfig:
         """Refuse a model it cannot serve exactly."""
         if num_stage_layers:
             raise ValueError(
-                f"speculative_config cannot serve {family} models: their prelude and coda "
+                f"{SETTING} cannot serve {family} models: their prelude and coda "
                 "layers keep one version of each token's K/V, written when it exits, and a "
                 "proposed token may exit before the token it follows"
             )
         if self.draft_loops >= num_loops:
             raise ValueError(
-                f"speculative_config draft_loops {self.draft_loops} must be below the model's "
+                f"{SETTING} draft_loops {self.draft_loops} must be below the model's "
                 f"loop count ({num_loops}): a proposal is the output after draft_loops loops, "
                 "checked by the loops after it"
             )
@@ -105,16 +105,14 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(
-                    "speculative_config (--speculative-config) must be a JSON object, such as "
+                    f"{SETTING} must be a JSON object, such as "
                     '{"method": "draft_loops", "num_speculative_tokens": 4, "draft_loops": 2}: '
                     f"{error}"
                 ) from None
         if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+            raise ValueError(f"{SETTING} must be a dict, got {type(value).__name__}")
         known = {item.name for item in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(
-                f"speculative_config has unknown key(s) {unknown}; known: {sorted(known)}"
-            )
+            raise ValueError(f"{SETTING} has unknown key(s) {unknown}; known: {sorted(known)}")
         return cls(**value)

@@ -27,6 +27,7 @@ from loopserve.models.builtin import resolve_model_dir
 from loopserve.ray.ingress import Ingress
 from loopserve.ray.replica import EngineReplica
 from loopserve.ray.routing import RoutingConfig
+from loopserve.runner.setup import read_checked_model_config
 
 try:
     import ray
@@ -149,9 +150,12 @@ def serve_replicas(
         ray_address: a running cluster to join (`auto`, `ray://host:port`, ...); None starts a
             local one (with at least one CPU per replica).
     Raises:
-        ValueError, FileNotFoundError: the model cannot be found (checked before Ray starts).
+        ValueError, FileNotFoundError: the model cannot be found, or `engine_config` asks for
+            what its config.json refuses (a `speculative_config` whose draft_loops leaves no
+            loop to check it, say): checked before Ray starts, as one engine would before its
+            weights load, since a replica that refuses its config only fails inside Ray.
     """
-    resolve_model_dir(engine_config.model)
+    read_checked_model_config(engine_config, resolve_model_dir(engine_config.model))
     if ray_address is None:
         ray.init(num_cpus=max(os.cpu_count() or 1, num_replicas))
     else:

@@ -31,6 +31,8 @@ class ReplicaReport:
     generation_tokens: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    proposed_tokens: int  # speculation: proposed tokens that got a decode row
+    confirmed_tokens: int  # ... and those equal to the final token
     finished: dict[str, int]  # requests finished, by finish reason
     exit_depth_sum: float  # loops run by all generated tokens
     exit_depth_count: int  # generated tokens whose depth was recorded
@@ -58,6 +60,8 @@ class ReplicaReport:
             generation_tokens=stats.generated_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
             prefix_query_tokens=stats.prefix_query_tokens,
+            proposed_tokens=stats.proposed_tokens,
+            confirmed_tokens=stats.confirmed_tokens,
             finished=dict(totals.finished),
             exit_depth_sum=totals.exit_depth_sum,
             exit_depth_count=totals.exit_depth_count,

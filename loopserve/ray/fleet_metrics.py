@@ -49,6 +49,10 @@ _FAMILIES: tuple[_Family, ...] = (
      _total("prefix_query_tokens")),
     ("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
      _total("prefix_hit_tokens")),
+    ("spec_decode_num_draft_tokens_total", "counter",
+     "Speculation: proposed tokens that got a decode row.", _total("proposed_tokens")),
+    ("spec_decode_num_accepted_tokens_total", "counter",
+     "Speculation: proposed tokens found equal to the final token.", _total("confirmed_tokens")),
 )  # fmt: skip
 
 

@@ -31,10 +31,11 @@ class EngineReplica:
     ) -> None:
         self._replica = replica
         self._max_num_seqs = engine_config.scheduler.max_num_seqs
+        # Before the engine: Serve calls __del__ on a replica whose constructor raised too.
+        self._stack = AsyncExitStack()
         engine = await asyncio.to_thread(Engine, engine_config)
         self._context = serving_context(engine, replace(server_config, api_key=None))
         self._app = app_for(self._context)
-        self._stack = AsyncExitStack()
         await self._stack.enter_async_context(running(self._context))
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponsePart]:

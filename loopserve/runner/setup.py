@@ -101,21 +101,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
             f"(device {device.type}, fused_kernels {config.fused_kernels}, triton "
             f"{'installed' if use_triton else 'missing'}); leave batch_invariant off here"
         )
-    model_config = read_model_config(model_dir / "config.json")
-    scheduler = config.scheduler
-    model_config.resolve_exit_criterion(scheduler.exit_criterion)  # before the weights
-    _check_speculation(config, model_config)
-    if scheduler.exit_mode is ExitMode.TRACE:  # the engine says the same, after the weights
-        resolve_distribution(
-            scheduler.trace_distribution, model_config.family, model_config.num_loops
-        )
-    limit = model_config.max_position_embeddings
-    # kv_budget says the same after the weights; config.json alone can say it before them.
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's "
-            f"max_position_embeddings ({limit})"
-        )
+    model_config = read_checked_model_config(config, model_dir)
     dtype_name = config.dtype
     if dtype_name == "auto":
         dtype_name = auto_dtype(device, model_config.weights_dtype)
@@ -133,6 +119,29 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
     invariant = " with batch-invariant matmuls" if config.batch_invariant else ""
     logger.info("layer ops: %s%s", type(model.ops).__name__, invariant)
     return model
+
+
+def read_checked_model_config(config: EngineConfig, model_dir: Path) -> LoopedConfig:
+    """The checkpoint's config.json, once `config` has passed the checks it alone can answer:
+    the exit criterion, `speculative_config`, the trace distribution and `max_model_len`. Run
+    before the weights load, and by `loopserve serve --replicas` before Ray starts (a replica
+    that refuses its config would only fail, and be restarted, inside Ray)."""
+    model_config = read_model_config(model_dir / "config.json")
+    scheduler = config.scheduler
+    model_config.resolve_exit_criterion(scheduler.exit_criterion)
+    _check_speculation(config, model_config)
+    if scheduler.exit_mode is ExitMode.TRACE:  # the engine says the same, after the weights
+        resolve_distribution(
+            scheduler.trace_distribution, model_config.family, model_config.num_loops
+        )
+    limit = model_config.max_position_embeddings
+    # kv_budget says the same after the weights; config.json alone can say it before them.
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
+    return model_config
 
 
 def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -> ModelRunner:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from loopserve import LLM, SamplingParams
-from loopserve.config import EngineConfig, SchedulerConfig
+from loopserve.config import EngineConfig, SchedulerConfig, option_name
 from loopserve.entrypoints.cli import main
 from loopserve.speculative_config import SpeculativeConfig
 from loopserve.structured_outputs import StructuredOutputsParams
@@ -57,8 +57,9 @@ def test_lanes_are_what_can_be_in_flight(
     ],
 )
 def test_bad_configs_are_refused_by_name(value: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         EngineConfig.from_options(speculative_config=value)
+    assert str(refused.value).startswith(f"{option_name('speculative_config')} ")
 
 
 def test_the_shared_layout_is_refused_with_both_flags() -> None:

@@ -20,9 +20,10 @@ CORE = {"config", "sampling_params", "structured_outputs", "outputs", "request",
 # module ("engine.scheduler_output"); `*` allows everything.
 ALLOWED: dict[str, set[str]] = {
     "entrypoints": {"*"},
-    # Engine replicas on Ray Serve: the server's code behind an ingress.
+    # Engine replicas on Ray Serve: the server's code behind an ingress; before Ray starts, the
+    # checks of the engine's settings an engine runs before its weights load (runner.setup).
     "ray": {"entrypoints.openai", "engine.engine", "engine.stats", "engine.prefix_cache"}
-    | {"models.builtin"}
+    | {"models.builtin", "runner.setup"}
     | CORE,
     # the user-facing benchmarks drive the engine; kernel instruments live in benchmarks/
     "bench": {"engine", "runner", "models", "depth"} | CORE,

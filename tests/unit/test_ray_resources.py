@@ -1,7 +1,10 @@
 """What a replica asks Ray for: the device `auto` resolves to before the replicas start, and the
-GPU share, refused where replicas sharing a GPU would overcommit its memory."""
+GPU share, refused where replicas sharing a GPU would overcommit its memory; and engine settings
+the model refuses, refused by `loopserve serve --replicas` before Ray starts."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -9,6 +12,7 @@ pytest.importorskip("ray", reason="the replicas need the `ray` extra")
 pytest.importorskip("fastapi", reason="the ingress needs the `serve` extra")
 
 from loopserve.config import EngineConfig
+from loopserve.entrypoints.cli import main
 from loopserve.ray import app
 
 
@@ -48,3 +52,31 @@ def test_a_share_that_would_overcommit_memory_says_what_to_pass() -> None:
 def test_a_share_outside_one_gpu_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match=r"gpus_per_replica must be in \(0, 1\]"):
         app.replica_gpus(_config(device="cpu"), share)
+
+
+@pytest.mark.parametrize(
+    ("speculative_config", "message"),
+    [
+        ('{"draft_loops": 4}', r"draft_loops 4 must be below the model's loop count \(4\)"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+    ],
+)
+def test_a_bad_speculative_config_stops_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    speculative_config: str,
+    message: str,
+) -> None:
+    """One the model refuses (its config.json has 4 loops) or a bad value: one line naming the
+    flag. The model's refusal used to come from each replica's engine inside Ray, where Serve
+    restarted the replicas until the deployment failed with a traceback."""
+
+    def start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(app.ray, "init", start)
+    argv = ["serve", "--replicas", "2", "--speculative-config", speculative_config]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("loopserve serve: error: speculative_config (--speculative-config) ")
+    assert re.search(message, error) and error.count("\n") == 1, error
