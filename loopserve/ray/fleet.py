@@ -33,6 +33,7 @@ class ReplicaReport:
     prefix_query_tokens: int
     proposed_tokens: int  # speculation: proposed tokens that got a decode row
     confirmed_tokens: int  # ... and those equal to the final token
+    speculative_drafts: int  # ... chains of proposals (EngineStats.speculative_drafts)
     finished: dict[str, int]  # requests finished, by finish reason
     exit_depth_sum: float  # loops run by all generated tokens
     exit_depth_count: int  # generated tokens whose depth was recorded
@@ -62,6 +63,7 @@ class ReplicaReport:
             prefix_query_tokens=stats.prefix_query_tokens,
             proposed_tokens=stats.proposed_tokens,
             confirmed_tokens=stats.confirmed_tokens,
+            speculative_drafts=stats.speculative_drafts,
             finished=dict(totals.finished),
             exit_depth_sum=totals.exit_depth_sum,
             exit_depth_count=totals.exit_depth_count,

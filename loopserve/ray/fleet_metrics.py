@@ -53,6 +53,9 @@ _FAMILIES: tuple[_Family, ...] = (
      "Speculation: proposed tokens that got a decode row.", _total("proposed_tokens")),
     ("spec_decode_num_accepted_tokens_total", "counter",
      "Speculation: proposed tokens found equal to the final token.", _total("confirmed_tokens")),
+    ("spec_decode_num_drafts_total", "counter",
+     "Speculation: chains of proposals (1 + accepted / drafts is the mean accepted length).",
+     _total("speculative_drafts")),
 )  # fmt: skip
 
 

@@ -82,3 +82,6 @@ def test_speculating_replicas_answer_as_one_plain_engine(
     assert fleet["loopserve:spec_decode_num_draft_tokens_total"] == sum(drafted.values())
     assert fleet["loopserve:spec_decode_num_accepted_tokens_total"] == sum(accepted.values())
     assert sum(accepted.values()) < sum(drafted.values())
+    chains = replica_samples(speculating, "loopserve:spec_decode_num_drafts_total")
+    assert all(count > 0 for count in chains.values()), chains
+    assert fleet["loopserve:spec_decode_num_drafts_total"] == sum(chains.values())

@@ -117,7 +117,9 @@ def test_the_config_refuses_bad_knobs() -> None:
 
 
 def _report(replica: int, running: int, healthy: bool = True) -> ReplicaReport:
-    return ReplicaReport(replica, 1, healthy, running, 0, 10, 0, 100, 0, 0, 0, 0, 0, 0, {}, 0.0, 0)
+    return ReplicaReport(
+        replica, 1, healthy, running, 0, 10, 0, 100, 0, 0, 0, 0, 0, 0, 0, {}, 0.0, 0
+    )
 
 
 def test_the_fleet_counts_in_flight_requests_and_routes_around_failures() -> None:
