@@ -13,16 +13,18 @@ import torch.nn.functional as F
 
 from loopserve.attention.base import AttentionBackend
 from loopserve.kv.metadata import AttentionMetadata
-from loopserve.kv.storage import FP8, KVStorage, to_cache_dtype
+from loopserve.kv.storage import FP8, K, KVStorage, V, from_cache, to_cache_dtype
 
 
 def write_kv(
     kv: KVStorage, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Store k/v [T, Nkv, D] into flat slots [T] of one layer (in the cache's dtype)."""
-    dtype = kv.cache.dtype
-    kv.key_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = to_cache_dtype(k, dtype)
-    kv.value_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)[slots] = to_cache_dtype(v, dtype)
+    """Store k/v [T, Nkv, D] into flat slots [T] of one layer (as the cache's dtype stores them)."""
+    dtype, inverse = kv.cache.dtype, kv.inverse_scales[layer]
+    keys = kv.key_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)
+    values = kv.value_cache(layer).view(-1, kv.num_kv_heads, kv.head_dim)
+    keys[slots] = to_cache_dtype(k, dtype, inverse[K])
+    values[slots] = to_cache_dtype(v, dtype, inverse[V])
 
 
 def gather_context(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -38,7 +40,7 @@ def causal_attention(
     """q [Q, Nq, D] are the last Q positions of a context k/v [C, Nkv, D]; returns [Q, Nq, D]."""
     num_queries, context = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(groups, dim=1)  # (from the cache's dtype: fp8 too)
+    k = k.float().repeat_interleave(groups, dim=1)
     v = v.float().repeat_interleave(groups, dim=1)
     query_positions = torch.arange(context - num_queries, context, device=q.device)
     mask = torch.arange(context, device=q.device)[None, :] <= query_positions[:, None]
@@ -81,7 +83,12 @@ class TorchAttentionBackend(AttentionBackend):
             if length == 0 or begin == end:
                 continue
             pages = metadata.page_table[index]
-            keys = gather_context(kv.key_cache(layer), pages, length)
-            values = gather_context(kv.value_cache(layer), pages, length)
+            scales = kv.scales[layer]
+            keys = from_cache(
+                gather_context(kv.key_cache(layer), pages, length), q.dtype, scales[K]
+            )
+            values = from_cache(
+                gather_context(kv.value_cache(layer), pages, length), q.dtype, scales[V]
+            )
             out[begin:end] = causal_attention(q[begin:end], keys, values, self.scale)
         return out

@@ -192,6 +192,8 @@ class TritonAttentionBackend(OutBufferBackend):
         plan = self._plan
         assert plan is not None
         key_cache, value_cache = kv.key_cache(layer), kv.value_cache(layer)
+        # A float8 cache's scales, read on the device (fixed once serving starts: graph-safe).
+        scales, inverse_scales = kv.scales[layer], kv.inverse_scales[layer]
         if plan.padded:
             out.zero_()
         if plan.decode_only and q.shape[0] != metadata.seq_lens.shape[0]:
@@ -200,7 +202,7 @@ class TritonAttentionBackend(OutBufferBackend):
             )
         fused_write = plan.decode_only and self.decode_schedule.fuse_kv_write
         if not fused_write:
-            write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+            write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, inverse_scales)
         if plan.has_decode_rows:
             workspace = self._workspaces.view(metadata.seq_lens.shape[0])
             paged_decode_attention(
@@ -209,11 +211,12 @@ class TritonAttentionBackend(OutBufferBackend):
                 tiling=self.decode_tiling, new_kv=(k, v) if fused_write else None,
                 rope=metadata.rope,
                 last_program_combines=self.decode_schedule.last_program_combines,
+                kv_scales=(scales, inverse_scales),
             )  # fmt: skip
         if plan.prefill_tiles is not None:
             paged_prefill_attention(
                 q, key_cache, value_cache, metadata, plan.prefill_tiles, out,
-                scale=self.scale, tiling=self.prefill_tiling,
+                scale=self.scale, tiling=self.prefill_tiling, kv_scales=scales,
             )  # fmt: skip
         if plan.num_query_tokens is not None and plan.num_query_tokens < q.shape[0]:
             out[plan.num_query_tokens :].zero_()  # tokens of no sequence, like the reference

@@ -63,6 +63,8 @@ def write_new_kv(
     token,
     kv_head,
     write,  # scalar bool: this program reads the row's last token
+    k_inverse,  # 1 / the layer's K and V scales (`kv_write.layer_scales`)
+    v_inverse,
     stride_new_token,
     stride_new_head,
     stride_cache_page,
@@ -88,9 +90,10 @@ def write_new_kv(
         + kv_head * stride_cache_head
         + dims
     )
-    tl.store(key_cache_ptr + destination, cache_value(key, key_cache_ptr), mask=mask)
+    tl.store(key_cache_ptr + destination, cache_value(key, key_cache_ptr, k_inverse), mask=mask)
     value = tl.load(v_new_ptr + source + dims, mask=mask)
-    tl.store(value_cache_ptr + destination, cache_value(value, value_cache_ptr), mask=mask)
+    stored = cache_value(value, value_cache_ptr, v_inverse)
+    tl.store(value_cache_ptr + destination, stored, mask=mask)
     tl.debug_barrier()  # the program's own stores are visible to all its threads' loads after
 
 

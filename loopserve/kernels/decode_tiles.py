@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from loopserve.kernels.kv_write import from_cache
+
 
 @triton.jit
 def _load_kv(
@@ -101,9 +103,15 @@ def tile_dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _lane_step(lane_max, lane_sum, acc, q, k, v, valid, MASKED: tl.constexpr):
-    """One tile into the lanes' online softmax: (max [N], sum [N], acc [N, D]) -> updated."""
-    scores = tl.sum(k.to(tl.float32) * q, axis=1)  # [BLOCK_N], log2 units (q is pre-scaled)
+def _lane_step(
+    lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile into the lanes' online softmax: (max [N], sum [N], acc [N, D]) -> updated. K/V
+    are read as the query's `dtype` (`from_cache`: an fp8 cache's scales), then widened."""
+    k = from_cache(k, k_scale, dtype).to(tl.float32)
+    v = from_cache(v, v_scale, dtype).to(tl.float32)
+    scores = tl.sum(k * q, axis=1)  # [BLOCK_N], log2 units (q is pre-scaled)
     if MASKED:
         scores = tl.where(valid, scores, float("-inf"))
     new_max = tl.maximum(lane_max, scores)
@@ -111,7 +119,7 @@ def _lane_step(lane_max, lane_sum, acc, q, k, v, valid, MASKED: tl.constexpr):
     alpha = tl.exp2(lane_max - reference)
     p = tl.exp2(scores - reference)
     lane_sum = tl.fma(lane_sum, alpha, p)
-    acc = tl.fma(acc, alpha[:, None], p[:, None] * v.to(tl.float32))
+    acc = tl.fma(acc, alpha[:, None], p[:, None] * v)
     return new_max, lane_sum, acc
 
 
@@ -142,6 +150,8 @@ def lane_tiles(
     max_ptrs,  # [1]
     sum_ptrs,  # [1]
     scale_log2,
+    k_scale,  # the layer's K and V scales (`kv_write.layer_scales`; read for an fp8 cache only)
+    v_scale,
     seq_len,
     part_size,
     split,
@@ -166,6 +176,7 @@ def lane_tiles(
     # K tile's layout (each lane's dims within one warp): the q·k sums then need no shared memory.
     q_offsets = tl.zeros([BLOCK_N], tl.int32)[:, None] + dims[None, :]
     q_mask = q_offsets < HEAD_DIM
+    dtype = q_ptrs.dtype.element_ty  # the model's: what K/V are read as
     q = tl.load(q_ptrs + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale_log2
     lane_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
@@ -178,7 +189,9 @@ def lane_tiles(
             k_ptr, v_ptr, table_row_ptr, start, seq_len, stride_cache_page, stride_cache_offset,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False,
         )  # fmt: skip
-        lane_max, lane_sum, acc = _lane_step(lane_max, lane_sum, acc, q, k, v, valid, False)
+        lane_max, lane_sum, acc = _lane_step(
+            lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype, False
+        )
         if (local == (1 << tile_shift) - 1) | (start + BLOCK_N >= seq_len):  # partition ends
             _lane_flush(
                 lane_max, lane_sum, acc, out_ptrs, max_ptrs, sum_ptrs, part, HEAD_DIM, BLOCK_D
@@ -194,18 +207,20 @@ def lane_tiles(
             k_ptr, v_ptr, table_row_ptr, start, seq_len, stride_cache_page, stride_cache_offset,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
         )  # fmt: skip
-        lane_max, lane_sum, acc = _lane_step(lane_max, lane_sum, acc, q, k, v, valid, True)
+        lane_max, lane_sum, acc = _lane_step(
+            lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype, True
+        )
         _lane_flush(lane_max, lane_sum, acc, out_ptrs, max_ptrs, sum_ptrs, part, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _dot_step(
-    running_max, running_sum, acc, q, k, v, valid, scale_log2, INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, MASKED: tl.constexpr,
+    running_max, running_sum, acc, q, k, v, valid, scale_log2, k_scale, v_scale,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of a FlashAttention-2 step for the heads: (max [H], sum [H], acc [H, D]). K/V
-    are taken to q's dtype first (a no-op unless the cache is fp8)."""
-    k, v = k.to(q.dtype), v.to(q.dtype)
+    are read as q's dtype first (`from_cache`: a no-op unless the cache is fp8)."""
+    k, v = from_cache(k, k_scale, q.dtype), from_cache(v, v_scale, q.dtype)
     scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [H, BLOCK_N]
     if MASKED:
         scores = tl.where(valid[None, :], scores, float("-inf"))  # the first token is valid
@@ -228,6 +243,8 @@ def dot_tiles(
     max_ptrs,  # [H]
     sum_ptrs,  # [H]
     scale_log2,
+    k_scale,  # the layer's K and V scales (`kv_write.layer_scales`; read for an fp8 cache only)
+    v_scale,
     seq_len,
     part_size,
     split,
@@ -263,8 +280,8 @@ def dot_tiles(
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
         )  # fmt: skip
         running_max, running_sum, acc = _dot_step(
-            running_max, running_sum, acc, q, k, v, valid, scale_log2, INPUT_PRECISION, UPCAST,
-            True,
+            running_max, running_sum, acc, q, k, v, valid, scale_log2, k_scale, v_scale,
+            INPUT_PRECISION, UPCAST, True,
         )  # fmt: skip
         if (local == (1 << tile_shift) - 1) | (start + BLOCK_N >= seq_len):  # partition ends
             _store_partial(

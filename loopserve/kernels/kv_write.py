@@ -13,14 +13,38 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.kv.storage import FP8
+
 
 @triton.jit
-def cache_value(x, cache_ptr):
+def cache_value(x, cache_ptr, inverse_scale=1.0):
     """`x` as the cache at `cache_ptr` stores it, bit for bit as `kv.storage.to_cache_dtype`
-    does: a float8 e4m3 cache saturates at +-448 and rounds to nearest, ties to even."""
+    does: a float8 e4m3 cache multiplies by the layer's fp32 `inverse_scale` (1 / scale, from
+    the host), saturates at +-448 and rounds to nearest, ties to even."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = _e4m3_grid(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+        x = _e4m3_grid(tl.clamp(x.to(tl.float32) * inverse_scale, -448.0, 448.0))
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def from_cache(x, scale, dtype: tl.constexpr):
+    """A tile loaded from the cache, as `kv.storage.from_cache` reads it into `dtype`: a float8
+    tile times the layer's fp32 `scale` in fp32, then `dtype`; other caches are only converted."""
+    if x.dtype == tl.float8e4nv:
+        x = x.to(tl.float32) * scale
+    return x.to(dtype)
+
+
+@triton.jit
+def layer_scales(scales_ptr, cache_ptr):
+    """(K, V) values of a layer's pair at `scales_ptr` ([2] fp32: its scales or their
+    reciprocals) where the cache at `cache_ptr` is float8; (1, 1), nothing read, elsewhere."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
+    return k_scale, v_scale
 
 
 @triton.jit
@@ -44,6 +68,7 @@ def _write_kv_kernel(
     key_cache_ptr,  # [pages, block, Nkv, D]
     value_cache_ptr,  # [pages, block, Nkv, D], same strides as the key cache
     slot_ptr,  # [T] int64
+    inverse_scales_ptr,  # [2] fp32: 1 / the layer's K and V scales (read for a float8 cache)
     stride_k_token,
     stride_k_head,
     stride_v_token,
@@ -75,8 +100,9 @@ def _write_kv_kernel(
     v = tl.load(
         v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :], mask
     )
-    tl.store(key_cache_ptr + destination, cache_value(k, key_cache_ptr), mask)
-    tl.store(value_cache_ptr + destination, cache_value(v, value_cache_ptr), mask)
+    k_inverse, v_inverse = layer_scales(inverse_scales_ptr, key_cache_ptr)
+    tl.store(key_cache_ptr + destination, cache_value(k, key_cache_ptr, k_inverse), mask)
+    tl.store(value_cache_ptr + destination, cache_value(v, value_cache_ptr, v_inverse), mask)
 
 
 def write_kv(
@@ -85,8 +111,10 @@ def write_kv(
     key_cache: torch.Tensor,  # [pages, block, Nkv, D]
     value_cache: torch.Tensor,  # [pages, block, Nkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
+    inverse_scales: torch.Tensor | None = None,  # [2] fp32 (float8 caches; None: scale 1)
 ) -> None:
-    """Store k/v of every token into its flat slot of one layer's cache (one launch)."""
+    """Store k/v of every token into its flat slot of one layer's cache (one launch); a float8
+    cache stores k * inverse_scales[0] and v * inverse_scales[1] (`KVStorage.inverse_scales`)."""
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -102,6 +130,7 @@ def write_kv(
         key_cache,
         value_cache,
         slot_mapping,
+        scale_pair(inverse_scales, key_cache),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -115,3 +144,11 @@ def write_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
+
+
+def scale_pair(scales: torch.Tensor | None, key_cache: torch.Tensor) -> torch.Tensor | None:
+    """A layer's [2] fp32 (K, V) scales or reciprocals for a kernel's `layer_scales`. None, what
+    direct callers of the kernels may pass, is 1 for both (only a float8 cache reads them)."""
+    if scales is None and key_cache.dtype == FP8:
+        return torch.ones(2, dtype=torch.float32, device=key_cache.device)
+    return scales

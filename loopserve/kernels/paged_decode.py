@@ -40,6 +40,7 @@ from loopserve.kernels.decode_row import (
     write_new_kv,
 )
 from loopserve.kernels.decode_tiles import combine_partials, dot_tiles, lane_tiles
+from loopserve.kernels.kv_write import layer_scales, scale_pair
 from loopserve.kv.metadata import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
@@ -79,6 +80,8 @@ def _decode_kernel(
     seq_lens_ptr,  # [S] int32
     page_table_ptr,  # [S, P] int32
     slot_mapping_ptr,  # [T] int64
+    kv_scales_ptr,  # [2] fp32: the layer's K and V scales (read for a float8 cache)
+    kv_inverse_ptr,  # [2] fp32: their reciprocals (read for a float8 cache, with WRITE_KV)
     cos_ptr,  # [T, D] RoPE rows of the pass's tokens (read only with ROTARY)
     sin_ptr,
     rotated_ptr,  # [T, Nq, D] scratch for the rotated queries (ROTARY), q's strides
@@ -140,11 +143,12 @@ def _decode_kernel(
     )
     angles = token * stride_angle
     if WRITE_KV:
+        k_inverse, v_inverse = layer_scales(kv_inverse_ptr, key_cache_ptr)
         write_new_kv(
             k_new_ptr, v_new_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-            cos_ptr + angles, sin_ptr + angles, token, kv_head, owns_last, stride_new_token,
-            stride_new_head, stride_cache_page, stride_cache_offset, stride_cache_head,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROTARY,
+            cos_ptr + angles, sin_ptr + angles, token, kv_head, owns_last, k_inverse, v_inverse,
+            stride_new_token, stride_new_head, stride_cache_page, stride_cache_offset,
+            stride_cache_head, BLOCK_SIZE, HEAD_DIM, BLOCK_D, ROTARY,
         )  # fmt: skip
     q_rows = token * stride_q_token + heads * stride_q_head  # [H]
     if ROTARY:
@@ -157,21 +161,22 @@ def _decode_kernel(
     scalar_rows = row.to(tl.int64) * stride_scalar_row + heads * stride_scalar_head  # [H]
     table_row_ptr = page_table_ptr + row.to(tl.int64) * stride_table_row
     kv_head_offset = kv_head * stride_cache_head
+    k_scale, v_scale = layer_scales(kv_scales_ptr, key_cache_ptr)
     if TENSOR_CORES:
         dot_tiles(
             q_ptr + q_rows, in_group < GROUP, key_cache_ptr + kv_head_offset,
             value_cache_ptr + kv_head_offset, table_row_ptr, partial_out_ptr + partial_rows,
-            partial_max_ptr + scalar_rows, partial_sum_ptr + scalar_rows, scale_log2, seq_len,
-            part_size, split, num_split_programs, num_tiles, tile_shift, stride_cache_page,
-            stride_cache_offset, BLOCK_SIZE, HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
-            INPUT_PRECISION, UPCAST,
+            partial_max_ptr + scalar_rows, partial_sum_ptr + scalar_rows, scale_log2, k_scale,
+            v_scale, seq_len, part_size, split, num_split_programs, num_tiles, tile_shift,
+            stride_cache_page, stride_cache_offset, BLOCK_SIZE, HEADS, HEAD_DIM, BLOCK_D, BLOCK_N,
+            NUM_STAGES, INPUT_PRECISION, UPCAST,
         )  # fmt: skip
     else:  # HEADS == 1
         lane_tiles(
             q_ptr + q_rows, key_cache_ptr + kv_head_offset, value_cache_ptr + kv_head_offset,
             table_row_ptr, partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
-            partial_sum_ptr + scalar_rows, scale_log2, seq_len, part_size, split,
-            num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
+            partial_sum_ptr + scalar_rows, scale_log2, k_scale, v_scale, seq_len, part_size,
+            split, num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
             stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
         )  # fmt: skip
     finish = _finishes_row(
@@ -271,6 +276,7 @@ def paged_decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     last_program_combines: bool = False,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of every one-token row over its pages into `out`; other rows are left alone.
 
@@ -279,8 +285,10 @@ def paged_decode_attention(
     query token. `rope` ([T, D] cos and sin rows of the tokens, with `new_kv`): q and the new k
     are unrotated and the kernel applies RoPE as `fused_ops.rotary_qk_` does, bit for bit (no
     separate launch; q and k are left as they are). `last_program_combines`: when rows are
-    shared by several programs, the last one to finish folds the row (no combine launch). Reads
-    only device tensors of `metadata` (never its host lists), so it can be graph-captured.
+    shared by several programs, the last one to finish folds the row (no combine launch).
+    `kv_scales`: a float8 cache's ([2] scales, [2] reciprocals) of the layer's K and V
+    (`KVStorage.scales`, `inverse_scales`; None: 1). Reads only device tensors of `metadata`
+    (never its host lists), so it can be graph-captured.
     """
     if new_kv is not None and metadata.max_query_len != 1:
         raise ValueError("the decode kernel writes new K/V only in passes of one-token rows")
@@ -297,7 +305,7 @@ def paged_decode_attention(
     last_combines = last_program_combines and num_split_programs > 1
     _launch_decode(
         q, key_cache, value_cache, metadata, out, workspace, scale, num_split_programs, tiling,
-        new_kv, rope, last_combines,
+        new_kv, rope, last_combines, kv_scales,
     )  # fmt: skip
     if num_split_programs > 1 and not last_combines:
         _launch_combine(out, metadata, workspace, tiling)
@@ -316,8 +324,10 @@ def _launch_decode(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     last_combines: bool,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
+    scales, inverse_scales = kv_scales if kv_scales is not None else (None, None)
     cos, sin = rope if rope is not None else (q, q)  # q: a placeholder, not read
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -337,6 +347,7 @@ def _launch_decode(
     _decode_kernel[grid](
         q, k_new, v_new, key_cache, value_cache,
         metadata.query_start, metadata.seq_lens, metadata.page_table, metadata.slot_mapping,
+        scale_pair(scales, key_cache), scale_pair(inverse_scales, key_cache),
         cos, sin, rotated, out, partial_out, partial_max, workspace.partial_sum, workspace.arrivals,
         scale * LOG2_E, num_split_programs,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1),

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from loopserve.kernels.decode_tiles import tile_dot
+from loopserve.kernels.kv_write import from_cache, layer_scales, scale_pair
 from loopserve.kernels.paged_decode import LOG2_E
 from loopserve.kv.metadata import AttentionMetadata
 
@@ -102,6 +103,8 @@ def _attend_tiles(
     begin,
     end,
     scale_log2,
+    k_scale,  # the layer's K and V scales (`kv_write.layer_scales`; read for an fp8 cache only)
+    v_scale,
     stride_cache_page,
     stride_cache_offset,
     BLOCK_SIZE: tl.constexpr,
@@ -120,7 +123,7 @@ def _attend_tiles(
         rows = pages.to(tl.int64) * stride_cache_page + (tokens % BLOCK_SIZE) * stride_cache_offset
         offsets = rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
         load_mask = token_valid[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0).to(q.dtype)  # (fp8 caches)
+        k = from_cache(tl.load(k_ptr + offsets, mask=load_mask, other=0.0), k_scale, q.dtype)
         scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [M, N]
         if MASKED:
             visible = (tokens[None, :] <= positions[:, None]) & token_valid[None, :]
@@ -129,7 +132,7 @@ def _attend_tiles(
         alpha = tl.exp2(running_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + offsets, mask=load_mask, other=0.0).to(q.dtype)
+        v = from_cache(tl.load(v_ptr + offsets, mask=load_mask, other=0.0), v_scale, q.dtype)
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST)
         running_max = new_max
     return running_max, running_sum, acc
@@ -145,6 +148,7 @@ def _prefill_kernel(
     seq_lens_ptr,  # [S] int32
     page_table_ptr,  # [S, P] int32
     tiles_ptr,  # [tiles, 2] int32: (sequence, first query of the tile)
+    kv_scales_ptr,  # [2] fp32: the layer's K and V scales (read for a float8 cache)
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -187,15 +191,16 @@ def _prefill_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_scale, v_scale = layer_scales(kv_scales_ptr, k_ptr)
     running_max, running_sum, acc = _attend_tiles(
         running_max, running_sum, acc, q, context_start + queries, k_head_ptr, v_head_ptr,
-        table_row_ptr, 0, unmasked_end, scale_log2, stride_cache_page, stride_cache_offset,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, INPUT_PRECISION, UPCAST,
+        table_row_ptr, 0, unmasked_end, scale_log2, k_scale, v_scale, stride_cache_page,
+        stride_cache_offset, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, INPUT_PRECISION, UPCAST,
     )  # fmt: skip
     running_max, running_sum, acc = _attend_tiles(
         running_max, running_sum, acc, q, context_start + queries, k_head_ptr, v_head_ptr,
-        table_row_ptr, unmasked_end, causal_end, scale_log2, stride_cache_page, stride_cache_offset,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, INPUT_PRECISION, UPCAST,
+        table_row_ptr, unmasked_end, causal_end, scale_log2, k_scale, v_scale, stride_cache_page,
+        stride_cache_offset, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, INPUT_PRECISION, UPCAST,
     )  # fmt: skip
     out = acc / running_sum[:, None]
     out_offsets = tokens[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
@@ -212,8 +217,10 @@ def paged_prefill_attention(
     *,
     scale: float,
     tiling: PrefillTiling,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Causal attention of the queries of every tiled sequence into `out` (one launch)."""
+    """Causal attention of the queries of every tiled sequence into `out` (one launch);
+    `kv_scales`: a float8 cache's [2] fp32 K and V scales of the layer (None: 1)."""
     if tiles.shape[0] == 0:
         return
     if q.stride(-1) != 1:
@@ -222,8 +229,9 @@ def paged_prefill_attention(
     fp32 = q.dtype == torch.float32
     _prefill_kernel[(tiles.shape[0], num_heads)](
         q, key_cache, value_cache, out, metadata.query_start, metadata.seq_lens,
-        metadata.page_table, tiles, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        metadata.page_table, tiles, scale_pair(kv_scales, key_cache), scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         metadata.page_table.stride(0),
         BLOCK_SIZE=key_cache.shape[1],
         GROUP=num_heads // key_cache.shape[2],
