@@ -200,10 +200,17 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "how K/V are stored: auto (the model's dtype) or fp8 (float8 e4m3 with scale 1: values "
-        "beyond +-448 saturate; half bf16's bytes, so the same memory holds twice the pages); "
-        "fp8 is served by the torch and triton attention backends",
+        "how K/V are stored: auto (the model's dtype) or fp8 (float8 e4m3 with one K and one V "
+        "scale per layer: 1, the checkpoint's k_scale/v_scale, or calculate_kv_scales; values "
+        "beyond +-448 x scale saturate; half bf16's bytes, so the same memory holds twice the "
+        "pages); fp8 is served by the torch and triton attention backends",
         choices=KV_CACHE_DTYPES,
+    )
+    calculate_kv_scales: bool = setting(
+        False,
+        "kv_cache_dtype fp8: at start-up, run fixed calibration prompts through the model at "
+        "full depth and set each layer's K and V scale to its largest |K| and |V| over every "
+        "loop x 2 / 448 (instead of 1 or the checkpoint's scales; docs/quantization.md)",
     )
     quantization: str = setting(
         "none",
@@ -271,6 +278,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise _invalid(
                 "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}", self.kv_cache_dtype
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError(
+                f"{option_name('calculate_kv_scales')} needs {option_name('kv_cache_dtype')} fp8 "
+                f"(scales apply to an fp8 KV cache only), got {self.kv_cache_dtype!r}"
             )
         if self.quantization not in QUANTIZATIONS:
             raise _invalid("quantization", f"must be one of {QUANTIZATIONS}", self.quantization)

@@ -21,7 +21,7 @@ import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
 from loopserve.depth.trace import D2_6, resolved_trace_depth
-from loopserve.kv.storage import read_as_cached, special_cache_dtype
+from loopserve.kv.storage import K, KVFormat, KVScales, V, special_cache_dtype
 from loopserve.models.layers import AttentionFn, LoopContext
 from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.outputs import TokenLogprobs
@@ -58,10 +58,8 @@ class ReferenceOutput:
 class _DenseKV:
     """K/V per plane and layer: keys[plane][layer] is [positions, Nkv, D]."""
 
-    def __init__(
-        self, num_planes: int, num_layers: int, kv_dtype: torch.dtype | None = None
-    ) -> None:
-        self.kv_dtype = kv_dtype  # stored K/V are rounded as a cache of this dtype rounds them
+    def __init__(self, num_planes: int, num_layers: int, kv_format: KVFormat) -> None:
+        self.kv_format = kv_format  # stored K/V are rounded as the cache rounds them
         self.keys: list[list[torch.Tensor | None]] = [
             [None] * num_layers for _ in range(num_planes)
         ]
@@ -69,12 +67,14 @@ class _DenseKV:
             [None] * num_layers for _ in range(num_planes)
         ]
 
-    def stored(self, x: torch.Tensor) -> torch.Tensor:
-        """K or V as the cache keeps them, in their own dtype."""
-        return read_as_cached(x, self.kv_dtype)
+    def stored(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` as the cache keeps them, in their own dtype."""
+        return self.kv_format.stored(k, layer, K), self.kv_format.stored(v, layer, V)
 
     def append(self, plane: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        k, v = self.stored(k), self.stored(v)
+        k, v = self.stored(layer, k, v)
         old_k, old_v = self.keys[plane][layer], self.values[plane][layer]
         self.keys[plane][layer] = k if old_k is None else torch.cat([old_k, k])
         self.values[plane][layer] = v if old_v is None else torch.cat([old_v, v])
@@ -95,8 +95,10 @@ class SerialReference:
         exit_mode: str = "ouro",
         trace_distribution: Sequence[float] = D2_6,
         kv_cache_dtype: str = "auto",
+        kv_scales: KVScales | None = None,
     ) -> None:
-        """`kv_cache_dtype` "fp8": K/V are kept as an fp8 cache keeps them (`kv.storage`)."""
+        """`kv_cache_dtype` "fp8": K/V are kept as an fp8 cache keeps them (`kv.storage`), with
+        the per-layer `kv_scales` (None: 1; an engine's are `KVStorage.scales`)."""
         if kv_layout not in ("full", "shared"):
             raise ValueError(f"kv_layout must be 'full' or 'shared', got {kv_layout!r}")
         if exit_mode not in ("ouro", "ouro_delayed", "trace"):
@@ -105,7 +107,7 @@ class SerialReference:
         self.kv_layout = kv_layout
         self.exit_mode = exit_mode
         self.trace_distribution = tuple(trace_distribution)
-        self.kv_dtype = special_cache_dtype(kv_cache_dtype)
+        self.kv_format = KVFormat(special_cache_dtype(kv_cache_dtype), kv_scales)
         self.device = model.device
 
     @torch.inference_mode()
@@ -120,13 +122,13 @@ class SerialReference:
         `grammar`, a constraint's fresh state, masks every token and ends the request ("stop")
         once complete."""
         layers = self.model.config.num_hidden_layers
-        kv = _DenseKV(params.max_loops, layers, self.kv_dtype)
+        kv = _DenseKV(params.max_loops, layers, self.kv_format)
         # Prelude and coda layers (a family that has them): one version of every token.
-        stages = _DenseKV(1, self.model.num_kv_layers, self.kv_dtype)
+        stages = _DenseKV(1, self.model.num_kv_layers, self.kv_format)
         out = ReferenceOutput()
         readout = self._prefill(prompt_ids, params.max_loops, kv, stages)
         # `shared`: after prefill only the final version of each token is kept.
-        final = _DenseKV(1, layers, self.kv_dtype)
+        final = _DenseKV(1, layers, self.kv_format)
         for layer in range(layers):
             final.append(0, layer, *kv.get(params.max_loops - 1, layer))
         depth = params.max_loops
@@ -293,7 +295,8 @@ def _attend_beside(
     its own current K/V, keeping nothing (its K/V read as the cache stores them, as the engine
     reads them after writing them there)."""
     keys, values = kept.get(0, layer)
-    keys, values = torch.cat([keys, kept.stored(k)]), torch.cat([values, kept.stored(v)])
+    k, v = kept.stored(layer, k, v)
+    keys, values = torch.cat([keys, k]), torch.cat([values, v])
     return attend(q, keys, values, causal=False)
 
 

@@ -51,6 +51,7 @@ class EngineSettings:
     trace_distribution: tuple[float, ...] = ()  # the trace exits' (empty: the family's default)
     batch_invariant: bool = False  # the engine setting of that name
     kv_cache_dtype: str = "auto"  # the engine settings of those names
+    calculate_kv_scales: bool = False
     quantization: str = "none"
     speculative_config: str | None = None  # the engine setting (JSON text), None: off
     timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
@@ -74,6 +75,7 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         kv_layout=key.kv_layout,
         attention_backend=settings.attention_backend,
         kv_cache_dtype=settings.kv_cache_dtype,
+        calculate_kv_scales=settings.calculate_kv_scales,
         quantization=settings.quantization,
         num_kv_pages=settings.num_kv_pages,
         gpu_memory_utilization=settings.gpu_memory_utilization * memory_share,

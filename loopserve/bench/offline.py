@@ -38,6 +38,7 @@ from loopserve.bench.sweep_spec import (
     parse_concurrency,
     parse_list,
 )
+from loopserve.config import EngineConfig
 from loopserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -140,6 +141,11 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
         "--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8 (float8 e4m3)"
     )
     group.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="fp8 KV: per-layer scales from calibration prompts at start-up (docs/quantization.md)",
+    )
+    group.add_argument(
         "--quantization", default="none", help="weights: none or fp8 (docs/quantization.md)"
     )
     group.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest C")
@@ -189,6 +195,10 @@ def make_plan(args: argparse.Namespace, device_type: str) -> Plan:
 
 
 def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | None]:
+    EngineConfig(  # KV cache and weight settings refused now, not after the checkpoint
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        quantization=args.quantization,
+    )  # fmt: skip
     layouts = parse_list(args.kv_layout, KV_LAYOUTS, "--kv-layout")
     if args.preset is not None:
         given = [f"--{name}" for name in SWEEP_FLAGS if getattr(args, name) is not None]
@@ -367,6 +377,7 @@ def _engine_settings(
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         quantization=args.quantization,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max_seqs),

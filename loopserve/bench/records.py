@@ -57,6 +57,7 @@ def engine_fields(built: BuiltEngine) -> Record:
         "dtype": info.dtype,
         "attention_backend": info.attention_backend,
         "kv_cache_dtype": info.kv_cache_dtype,
+        "kv_cache_scales": info.kv_cache_scales,
         "quantization": info.quantization,
         "num_kv_pages": info.num_kv_pages,
         "kv_cache_gib": info.num_kv_pages * info.kv_bytes_per_page / 2**30,

@@ -41,6 +41,9 @@ class RunnerInfo:
     # for it on the spot, slowly); None where host memory needs no pinning (a CPU).
     pinned_swap_pages: int | None = None
     kv_cache_dtype: str = ""  # how K/V are stored ("" in runners that do not say: as `dtype`)
+    # fp8 K/V: where the per-layer scales came from ("1.0", "calculated" or "checkpoint"); None
+    # where K/V are not fp8.
+    kv_cache_scales: str | None = None
     quantization: str = "none"  # how the layers' weights are stored: none (as `dtype`) or fp8
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.depth.exit_test import next_survival, threshold_reached
-from loopserve.kv.storage import read_as_cached
+from loopserve.kv.storage import K, KVFormat, KVScales, V
 from loopserve.models.layers import LoopContext
 from loopserve.models.looped import PROMPT_STATE_SEED, LoopedForCausalLM
 from loopserve.models.window_attention import causal_attention
@@ -54,13 +54,11 @@ class WindowScores:
 
 class _FrozenKVAttention:
     """Causal attention in which positions that exited keep the K/V of their exit loop (rounded as
-    a cache of `kv_dtype` stores them, when given: an fp8 cache)."""
+    a cache stores them, where `kv_format` says: an fp8 cache)."""
 
-    def __init__(
-        self, batch: int, seq_len: int, num_layers: int, kv_dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, batch: int, seq_len: int, num_layers: int, kv_format: KVFormat) -> None:
         self.batch, self.seq_len = batch, seq_len
-        self.kv_dtype = kv_dtype
+        self.kv_format = kv_format
         self._attend = causal_attention(batch, seq_len)
         self.running = torch.ones(batch * seq_len, dtype=torch.bool)  # [T]
         # The latest K/V version of every position, per layer: [T, Nkv, D].
@@ -80,8 +78,8 @@ class _FrozenKVAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        k = self._latest(self._keys, layer, read_as_cached(k, self.kv_dtype))
-        v = self._latest(self._values, layer, read_as_cached(v, self.kv_dtype))
+        k = self._latest(self._keys, layer, self.kv_format.stored(k, layer, K))
+        v = self._latest(self._values, layer, self.kv_format.stored(v, layer, V))
         return self._attend(layer, q, k, v)
 
 
@@ -103,9 +101,11 @@ def score_windows(
     windows: torch.Tensor,
     settings: ExitSettings,
     kv_dtype: torch.dtype | None = None,
+    kv_scales: KVScales | None = None,
 ) -> WindowScores:
     """Teacher-forced log-probabilities and exit depths for windows [B, S] (see module doc);
-    `kv_dtype`: the block's K/V rounded as a cache of that dtype keeps them (fp8)."""
+    `kv_dtype`: the block's K/V rounded as a cache of that dtype keeps them (fp8), with the
+    per-layer `kv_scales` (None: 1)."""
     if settings.max_loops > model.config.num_loops:
         raise ValueError(
             f"max_loops {settings.max_loops} exceeds the model's {model.config.num_loops} loops"
@@ -118,7 +118,8 @@ def score_windows(
         )
     batch, seq_len = windows.shape
     device = windows.device
-    attention = _FrozenKVAttention(batch, seq_len, model.config.num_hidden_layers, kv_dtype)
+    kv_format = KVFormat(kv_dtype, kv_scales)
+    attention = _FrozenKVAttention(batch, seq_len, model.config.num_hidden_layers, kv_format)
     attention.running = attention.running.to(device)
     positions = torch.arange(seq_len, device=device).repeat(batch)  # [T]
     is_prompt = positions == 0

@@ -17,6 +17,7 @@ import torch
 from loopserve.data.corpus import load_split
 from loopserve.data.windows import eval_windows, token_stream
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
+from loopserve.kv.storage import KVScales
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.tokenizer import Tokenizer
 
@@ -79,13 +80,15 @@ def evaluate_setting(
     settings: ExitSettings,
     batch_size: int,
     kv_dtype: torch.dtype | None = None,
+    kv_scales: KVScales | None = None,
 ) -> CurvePoint:
-    """Score every window [W, S] under `settings` (K/V rounded to `kv_dtype` if given) and
-    aggregate."""
+    """Score every window [W, S] under `settings` (K/V rounded to `kv_dtype` if given, with the
+    per-layer `kv_scales`) and aggregate."""
     total_nll = 0.0
     histogram = torch.zeros(settings.max_loops + 1, dtype=torch.int64)
     for start in range(0, windows.shape[0], batch_size):
-        scores = score_windows(model, windows[start : start + batch_size], settings, kv_dtype)
+        batch = windows[start : start + batch_size]
+        scores = score_windows(model, batch, settings, kv_dtype, kv_scales)
         total_nll -= scores.logprobs.double().sum().item()
         histogram += torch.bincount(
             scores.exit_depths.reshape(-1).cpu(), minlength=histogram.numel()

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from loopserve.kv.storage import KVScales
 from loopserve.models.families import read_model_config
 from loopserve.models.huginn import HuginnForCausalLM
 from loopserve.models.huginn_config import HuginnConfig
+from loopserve.models.layers import Attention
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.model_config import LoopedConfig
 from loopserve.models.nanbeige import NanbeigeForCausalLM
@@ -32,6 +35,8 @@ logger = logging.getLogger(__name__)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 FP8_DTYPE = "F8_E4M3"  # the projections of an fp8 checkpoint (`checkpoint_quantization`)
 SCALE_SUFFIX = "_scale"  # X.weight_scale: the fp32 scale of fp8 weight X.weight
+# vLLM's per-layer scales of an fp8 KV cache: `model.layers.N.self_attn.k_scale` and `v_scale`.
+KV_SCALE_NAMES = ("k_scale", "v_scale")
 # The safetensors dtype of each `torch_dtype` a config.json may declare.
 DECLARED_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DTYPES = {
@@ -109,6 +114,21 @@ def fp8_weights(config: LoopedConfig) -> dict[str, int]:
     return {f"{name}.weight": m.weight.shape[0] for name, m in quantized_linears(model).items()}
 
 
+def kv_scale_tensors(config: LoopedConfig) -> dict[str, tuple[int, int]]:
+    """The fp8 KV cache scales a checkpoint may carry (all or none), vLLM's names beside each
+    block layer's attention: name -> (KV layer, 0 for K | 1 for V). None in a family whose
+    attention has no such names (Huginn's would be unexpected tensors)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    # The block's attention modules in layer order (Ouro's and Nanbeige's: model.layers.N.self_attn)
+    block = [name for name, module in model.named_modules() if isinstance(module, Attention)]
+    return {
+        f"{name}.{suffix}": (layer, kind)
+        for layer, name in enumerate(block)
+        for kind, suffix in enumerate(KV_SCALE_NAMES)
+    }
+
+
 def checkpoint_files(directory: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it."""
     index_path = directory / INDEX_FILE
@@ -138,11 +158,19 @@ def validate_checkpoint(config: LoopedConfig, files: dict[str, Path]) -> None:
     expected = expected_tensors(config)
     fp8 = fp8_weights(config)
     scales = {name + SCALE_SUFFIX: rows for name, rows in fp8.items()}
+    kv_scales = kv_scale_tensors(config)
+    carried = set(kv_scales) & set(files)
+    if carried and carried != set(kv_scales):
+        absent = sorted(set(kv_scales) - carried)
+        raise CheckpointError(
+            f"checkpoint carries fp8 KV cache scales ({', '.join(KV_SCALE_NAMES)}) for some "
+            f"layers only: {len(absent)} missing, {', '.join(absent[:4])}"
+        )
     missing = sorted((set(expected) | set(scales)) - set(files))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-    unexpected = sorted(set(files) - set(expected) - set(scales))
+    unexpected = sorted(set(files) - set(expected) - set(scales) - carried)
     if config.tie_word_embeddings and unexpected == ["lm_head.weight"]:
         unexpected = []
     if unexpected:
@@ -153,7 +181,7 @@ def validate_checkpoint(config: LoopedConfig, files: dict[str, Path]) -> None:
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
-    for name in scales:
+    for name in [*scales, *carried]:
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as handle:
@@ -162,6 +190,9 @@ def validate_checkpoint(config: LoopedConfig, files: dict[str, Path]) -> None:
                 shape, dtype = tuple(view.get_shape()), view.get_dtype()
                 if name in scales:
                     _check_scale(name, path, shape, dtype, scales[name])
+                    continue
+                if name in carried:
+                    _check_kv_scale(name, path, shape, dtype)
                     continue
                 if shape != expected[name]:
                     raise CheckpointError(
@@ -184,6 +215,36 @@ def _check_scale(name: str, path: Path, shape: tuple[int, ...], dtype: str, rows
             f"tensor {name} in {path.name} is {dtype} {list(shape)}; an fp8 weight's scale must "
             f"be a float of shape [], [1], [{rows}] or [{rows}, 1] (per tensor or per channel)"
         )
+
+
+def _check_kv_scale(name: str, path: Path, shape: tuple[int, ...], dtype: str) -> None:
+    if shape not in ((), (1,)) or dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"tensor {name} in {path.name} is {dtype} {list(shape)}; an fp8 KV cache scale must "
+            "be one float, of shape [] or [1] (one per layer, as vLLM's)"
+        )
+
+
+def checkpoint_kv_scales(directory: str | Path) -> KVScales | None:
+    """The fp8 KV cache scales a checkpoint carries (`kv_scale_tensors`, validated by
+    `validate_checkpoint`), each a positive finite float; None when it carries none."""
+    directory = Path(directory)
+    config = read_model_config(directory / "config.json")
+    tensors = kv_scale_tensors(config)
+    files = checkpoint_files(directory)
+    if not tensors or not set(tensors) <= set(files):
+        return None
+    scale = torch.ones(config.num_hidden_layers, 2)
+    for name, (layer, kind) in tensors.items():
+        with safe_open(files[name], framework="pt") as handle:
+            value = float(handle.get_tensor(name).float().reshape(()))
+        if not (math.isfinite(value) and value > 0):
+            raise CheckpointError(
+                f"tensor {name} in {files[name].name} is {value}; an fp8 KV cache scale must be "
+                "a positive finite number"
+            )
+        scale[layer, kind] = value
+    return KVScales(scale, "checkpoint")
 
 
 def _check_dtype(config: LoopedConfig, name: str, path: Path, dtype: str) -> None:

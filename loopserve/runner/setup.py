@@ -25,9 +25,10 @@ from loopserve.depth.trace import resolve_distribution
 from loopserve.engine.runner_api import RunnerInfo
 from loopserve.kernels.availability import triton_installed
 from loopserve.kv.pages import pages_for
-from loopserve.kv.storage import KVStorage, special_cache_dtype
+from loopserve.kv.storage import KVScales, KVStorage, special_cache_dtype
 from loopserve.models.builtin import resolve_model_dir
 from loopserve.models.families import read_model_config
+from loopserve.models.kv_scales import fp8_kv_scales
 from loopserve.models.loader import dummy_model, load_checkpoint, resolve_dtype
 from loopserve.models.looped import LoopedForCausalLM
 from loopserve.models.model_config import LoopedConfig
@@ -186,6 +187,9 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         dtype=kv_dtype,
         device=device,
     )
+    kv_scales = _kv_scales(config, model, model_dir)
+    if kv_scales is not None:
+        kv.set_scales(kv_scales)
     tables = BlockTables(
         scheduler.max_num_seqs,
         model_config.num_loops,
@@ -217,6 +221,7 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         device=str(device),
         dtype=str(model.dtype).removeprefix("torch."),
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        kv_cache_scales=None if kv_scales is None else kv_scales.source,
         quantization=quantization_of(model),
         attention_backend=choice.backend.name,
         cuda_graphs=choice.cuda_graphs,
@@ -244,6 +249,21 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
         graphs,
         speculating=None if speculating is None else (speculating, speculating_graphs),
     )
+
+
+def _kv_scales(
+    config: EngineConfig, model: LoopedForCausalLM, model_dir: Path | None
+) -> KVScales | None:
+    """An fp8 cache's per-layer scales (`fp8_kv_scales`), before anything is served; None when
+    K/V are not fp8."""
+    if config.kv_cache_dtype != "fp8":
+        return None
+    checkpoint = model_dir if config.load_format is LoadFormat.AUTO else None
+    scales = fp8_kv_scales(model, checkpoint, config.calculate_kv_scales)
+    logger.info(
+        "fp8 KV cache scales (%s; K, V per layer): %s", scales.source, scales.scale.tolist()
+    )
+    return scales
 
 
 def _check_speculation(config: EngineConfig, model_config: LoopedConfig) -> None:

@@ -66,6 +66,12 @@ def _add_perplexity(commands: argparse._SubParsersAction) -> None:
         help="fp8: the block's K/V rounded as an fp8 cache stores them (docs/quantization.md)",
     )
     parser.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="with --kv-cache-dtype fp8: per-layer K and V scales calculated from the "
+        "calibration prompts, as the engine's calculate_kv_scales does (default: 1)",
+    )
+    parser.add_argument(
         "--quantization",
         default="none",
         choices=QUANTIZATIONS,
@@ -152,6 +158,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     )
     from loopserve.kv.storage import special_cache_dtype
     from loopserve.models.builtin import resolve_model_dir
+    from loopserve.models.kv_scales import fp8_kv_scales
     from loopserve.models.loader import load_checkpoint, resolve_dtype
     from loopserve.models.quant import quantize_model
     from loopserve.runner.setup import resolve_device
@@ -161,6 +168,11 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         from loopserve.eval.plot import require_matplotlib
 
         require_matplotlib()  # fail now, not after the whole evaluation
+    if args.calculate_kv_scales and args.kv_cache_dtype != "fp8":
+        raise ValueError(
+            "--calculate-kv-scales needs --kv-cache-dtype fp8 (scales apply to an fp8 KV cache "
+            f"only), got {args.kv_cache_dtype!r}"
+        )
     thresholds = _floats(args.thresholds)
     model_dir = resolve_model_dir(args.model)
     tokenizer = Tokenizer.from_directory(model_dir)
@@ -179,6 +191,9 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         model.fuse_projections()
         quantize_model(model)
     kv_dtype = special_cache_dtype(args.kv_cache_dtype)
+    kv_scales = None
+    if kv_dtype is not None:  # as the engine runs it: calculated, the checkpoint's, or 1
+        kv_scales = fp8_kv_scales(model, model_dir, args.calculate_kv_scales)
     separator = model.config.bos_token_id
     windows = held_out_windows(
         tokenizer,
@@ -205,7 +220,9 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     )
     points = []
     for setting in settings:
-        points.append(evaluate_setting(model, windows, setting, args.batch_size, kv_dtype))
+        points.append(
+            evaluate_setting(model, windows, setting, args.batch_size, kv_dtype, kv_scales)
+        )
         _print_point(points[-1])
     report = {
         "model": str(model_dir),
@@ -213,6 +230,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         "device": str(device),
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_scales": None if kv_scales is None else kv_scales.source,
         "quantization": args.quantization,
         "points": [_as_dict(point) for point in points],
     }

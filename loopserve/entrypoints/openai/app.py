@@ -148,6 +148,7 @@ def _add_routes(app: FastAPI, context: ServingContext) -> None:
                 num_loops=context.model.num_loops,
                 dtype=context.model.dtype,
                 kv_cache_dtype=context.model.kv_cache_dtype,
+                kv_cache_scales=context.model.kv_cache_scales,
                 quantization=context.model.quantization,
             )
             for name in context.config.served_model_names

@@ -37,6 +37,7 @@ class ModelInfo:
     num_loops: int
     dtype: str  # what the engine runs in, stores K/V as, and stores the layers' weights as
     kv_cache_dtype: str
+    kv_cache_scales: str | None  # fp8 K/V: where the per-layer scales came from
     quantization: str
     vocab_size: int  # token ids are in [0, vocab_size)
     eos_token_ids: frozenset[int]  # a request that does not ignore EOS stops on these
@@ -53,6 +54,7 @@ class ModelInfo:
             num_loops=engine.model_config.num_loops,
             dtype=engine.info.dtype,
             kv_cache_dtype=engine.info.kv_cache_dtype or engine.info.dtype,
+            kv_cache_scales=engine.info.kv_cache_scales,
             quantization=engine.info.quantization,
             vocab_size=engine.model_config.vocab_size,
             eos_token_ids=frozenset(engine.eos_token_ids),

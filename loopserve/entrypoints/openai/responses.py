@@ -145,6 +145,9 @@ class ModelCard(BaseModel):
     # How the engine runs it: activations' dtype, how K/V are stored, how the weights are.
     dtype: str
     kv_cache_dtype: str
+    # fp8 K/V: where the per-layer scales came from ("1.0", "calculated", "checkpoint"); null
+    # where K/V are not fp8.
+    kv_cache_scales: str | None = None
     quantization: str
 
 
