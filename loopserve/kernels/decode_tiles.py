@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loopserve.kernels.kv_write import from_cache
+from loopserve.kernels.kv_write import read_value
 
 
 @triton.jit
@@ -108,9 +108,9 @@ def _lane_step(
     MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile into the lanes' online softmax: (max [N], sum [N], acc [N, D]) -> updated. K/V
-    are read as the query's `dtype` (`from_cache`: an fp8 cache's scales), then widened."""
-    k = from_cache(k, k_scale, dtype).to(tl.float32)
-    v = from_cache(v, v_scale, dtype).to(tl.float32)
+    are read as the query's `dtype` (`read_value`: an fp8 cache's scales), then widened."""
+    k = read_value(k, k_scale, dtype).to(tl.float32)
+    v = read_value(v, v_scale, dtype).to(tl.float32)
     scores = tl.sum(k * q, axis=1)  # [BLOCK_N], log2 units (q is pre-scaled)
     if MASKED:
         scores = tl.where(valid, scores, float("-inf"))
@@ -219,8 +219,8 @@ def _dot_step(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One tile of a FlashAttention-2 step for the heads: (max [H], sum [H], acc [H, D]). K/V
-    are read as q's dtype first (`from_cache`: a no-op unless the cache is fp8)."""
-    k, v = from_cache(k, k_scale, q.dtype), from_cache(v, v_scale, q.dtype)
+    are read as q's dtype first (`read_value`: a no-op unless the cache is fp8)."""
+    k, v = read_value(k, k_scale, q.dtype), read_value(v, v_scale, q.dtype)
     scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [H, BLOCK_N]
     if MASKED:
         scores = tl.where(valid[None, :], scores, float("-inf"))  # the first token is valid

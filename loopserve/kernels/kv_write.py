@@ -27,7 +27,7 @@ def cache_value(x, cache_ptr, inverse_scale=1.0):
 
 
 @triton.jit
-def from_cache(x, scale, dtype: tl.constexpr):
+def read_value(x, scale, dtype: tl.constexpr):
     """A tile loaded from the cache, as `kv.storage.from_cache` reads it into `dtype`: a float8
     tile times the layer's fp32 `scale` in fp32, then `dtype`; other caches are only converted."""
     if x.dtype == tl.float8e4nv:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from loopserve.kernels.decode_tiles import tile_dot
-from loopserve.kernels.kv_write import from_cache, layer_scales, scale_pair
+from loopserve.kernels.kv_write import layer_scales, read_value, scale_pair
 from loopserve.kernels.paged_decode import LOG2_E
 from loopserve.kv.metadata import AttentionMetadata
 
@@ -123,7 +123,7 @@ def _attend_tiles(
         rows = pages.to(tl.int64) * stride_cache_page + (tokens % BLOCK_SIZE) * stride_cache_offset
         offsets = rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
         load_mask = token_valid[:, None] & (dims < HEAD_DIM)[None, :]
-        k = from_cache(tl.load(k_ptr + offsets, mask=load_mask, other=0.0), k_scale, q.dtype)
+        k = read_value(tl.load(k_ptr + offsets, mask=load_mask, other=0.0), k_scale, q.dtype)
         scores = tile_dot(q, tl.trans(k), INPUT_PRECISION, UPCAST) * scale_log2  # [M, N]
         if MASKED:
             visible = (tokens[None, :] <= positions[:, None]) & token_valid[None, :]
@@ -132,7 +132,7 @@ def _attend_tiles(
         alpha = tl.exp2(running_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        v = from_cache(tl.load(v_ptr + offsets, mask=load_mask, other=0.0), v_scale, q.dtype)
+        v = read_value(tl.load(v_ptr + offsets, mask=load_mask, other=0.0), v_scale, q.dtype)
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST)
         running_max = new_max
     return running_max, running_sum, acc

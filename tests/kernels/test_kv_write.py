@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 
 from loopserve.attention.torch_backend import write_kv as reference_write_kv
-from loopserve.kernels.kv_write import cache_value, write_kv
+from loopserve.kernels.kv_write import cache_value, read_value, write_kv
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.kv.storage import FP8, KVStorage, to_cache_dtype
+from loopserve.kv.storage import FP8, KVScales, KVStorage, from_cache, to_cache_dtype
 
 from .batch_specs import DECODE_SPECS, PREFILL_SPECS, HeadShape, build_batch
 
@@ -107,3 +107,80 @@ def test_fp8_write_matches_reference(device: torch.device) -> None:
     assert torch.equal(
         _real_pages(kv.cache).view(torch.uint8), _real_pages(expected).view(torch.uint8)
     )
+
+
+@triton.jit
+def _scaled_cache_values_kernel(x_ptr, inverse_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    x = tl.load(x_ptr + offsets)
+    tl.store(out_ptr + offsets, cache_value(x, out_ptr, tl.load(inverse_ptr)))
+
+
+@triton.jit
+def _read_values_kernel(stored_ptr, scale_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    read = read_value(tl.load(stored_ptr + offsets), tl.load(scale_ptr), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offsets, read)
+
+
+# Scales whose reciprocals are not exact in fp32, a tiny one (most values saturate) and a large
+# one (most values land among e4m3's subnormals).
+SCALES = [0.0123, 3.7, 1e-3, 40.0]
+READ_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scaled_fp8_values_are_torch_s_bit_for_bit(
+    dtype: torch.dtype, scale: float, device: torch.device
+) -> None:
+    """With a layer's scale, `cache_value` (x times the host's fp32 reciprocal, saturated,
+    rounded) and `read_value` (stored times the scale in fp32, then the query's dtype) give the
+    bits of `kv.storage.to_cache_dtype` and `kv.storage.from_cache`."""
+    generator = torch.Generator().manual_seed(1)
+    spread = torch.cat([torch.randn(2048, generator=generator) * s for s in (1e-3, 0.5, 40.0)])
+    values = torch.cat([torch.tensor([0.0, -0.0, 448 * scale, -449 * scale]), spread])
+    values = torch.nn.functional.pad(values, (0, 8192 - values.numel())).to(dtype).to(device)
+    scales = KVScales(torch.tensor([[scale, 1.0]]), "calculated")
+    inverse = scales.inverse[0, :1].to(device)
+    stored = torch.empty(values.shape, dtype=FP8, device=device)
+    _scaled_cache_values_kernel[(1,)](values, inverse, stored, N=values.numel())
+    expected = to_cache_dtype(values, FP8, scales.inverse[0, 0])
+    assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+    assert (expected.float().abs() == 448.0).any() and (expected.float() != 448.0).any()
+    for read_dtype in READ_DTYPES:
+        read = torch.empty(values.shape, dtype=read_dtype, device=device)
+        _read_values_kernel[(1,)](stored, scales.scale[0, :1].to(device), read, N=values.numel())
+        wanted = from_cache(expected, read_dtype, scales.scale[0, 0])
+        if read_dtype == torch.bfloat16 and device.type == "cpu":
+            # triton 3.9's interpreter truncates fp32 to bf16 (118.4 became 118.0, not 118.5);
+            # compiled, the conversion rounds to nearest even and the bits are compared.
+            torch.testing.assert_close(read, wanted, rtol=2**-7, atol=0)
+            continue
+        assert torch.equal(read, wanted), read_dtype
+
+
+def test_scaled_fp8_write_matches_reference(device: torch.device) -> None:
+    """The KV write kernel with the layer's reciprocals stores the torch backend's bits, with
+    each layer's own K and V scales (the others' would store other bits)."""
+    shape = SHAPES[0]
+    batch = build_batch(SPECS["packed_mixed"], shape, device)
+    kv = KVStorage(
+        num_layers=2, num_pages=batch.kv.num_pages, block_size=batch.kv.block_size,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=FP8, device=device,
+    )  # fmt: skip
+    kv.set_scales(KVScales(torch.tensor([[0.5, 3.0], [0.002, 0.07]]), "checkpoint"))
+    kv.cache.copy_(to_cache_dtype(batch.kv.cache, FP8))
+    before = kv.cache.clone()
+    reference_write_kv(kv, batch.layer, batch.k, batch.v, batch.metadata.slot_mapping)
+    expected = kv.cache.clone()
+    kv.cache.copy_(before)
+    key_cache, value_cache = kv.key_cache(batch.layer), kv.value_cache(batch.layer)
+    slots = batch.metadata.slot_mapping
+    write_kv(batch.k, batch.v, key_cache, value_cache, slots, kv.inverse_scales[batch.layer])
+    written = _real_pages(kv.cache).view(torch.uint8)
+    assert torch.equal(written, _real_pages(expected).view(torch.uint8))
+    kv.cache.copy_(before)
+    write_kv(batch.k, batch.v, key_cache, value_cache, slots, kv.inverse_scales[0])
+    assert not torch.equal(_real_pages(kv.cache).view(torch.uint8), written)
+    assert (expected.float().abs() == 448.0).any()  # K / 0.002 saturates
