@@ -22,7 +22,7 @@ from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.kernels import paged_prefill
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.kv.storage import FP8, KVStorage, to_cache_dtype
+from loopserve.kv.storage import FP8, KVScales, KVStorage, to_cache_dtype
 
 from .batch_specs import (
     DECODE_SPECS,
@@ -128,6 +128,56 @@ def test_fp8_cache_matches_torch_backend(spec: str, shape: HeadShape, device: to
         _without_null_page(expected_cache).view(torch.uint8),
     )
     assert (expected_cache.float().abs() == 448.0).any()
+
+
+SCALED_CASES = [
+    (spec, shape) for spec in ("mixed_lengths", "packed_mixed", "tiny_segments") for shape in SHAPES
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape"), SCALED_CASES, ids=[f"{s}-{h}" for s, h in SCALED_CASES]
+)
+def test_scaled_fp8_cache_matches_torch_backend(
+    spec: str, shape: HeadShape, device: torch.device
+) -> None:
+    """An fp8 cache with per-layer K and V scales (`calculate_kv_scales` or a checkpoint's):
+    the KV write (fused into decode passes too) stores the torch backend's bits, the decode and
+    prefill kernels read K/V times the layer's scales as the torch backend does, and the scales
+    matter (the layer's K is stored saturated past 448 x its scale, and another layer's scales
+    give another output). Both decode tile paths: dots (fp32 GQA) and lanes (bf16 MHA)."""
+    batch = build_batch(SPECS[spec], shape, device, seed=4)
+    kv = KVStorage(
+        num_layers=2, num_pages=batch.kv.num_pages, block_size=batch.kv.block_size,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=FP8, device=device,
+    )  # fmt: skip
+    scales = torch.tensor([[1.0, 1.0], [0.004, 0.0123]])  # batch.layer is 1
+    kv.set_scales(KVScales(scales, "calculated"))
+    kv.cache.copy_(to_cache_dtype(batch.kv.cache, FP8))  # the poisoned pages stay NaN
+    before = kv.cache.clone()
+    attention_spec = dataclasses.replace(_spec(shape, device.type), kv_dtype=FP8)
+    fp8_batch = dataclasses.replace(batch, kv=kv)
+    expected = TorchAttentionBackend(attention_spec).forward(
+        batch.q, batch.k, batch.v, kv, batch.layer, batch.metadata
+    )
+    expected_cache = kv.cache.clone()
+    kv.cache.copy_(before)
+    out = _run_triton(fp8_batch, TritonAttentionBackend(attention_spec))
+    close = tolerance(shape.dtype)
+    if shape.dtype == torch.bfloat16 and device.type == "cpu":
+        # The interpreter truncates K/V * scale to bf16 where the torch backend (and a GPU)
+        # rounds to nearest (tests/kernels/test_kv_write.py): a bias of up to a bf16 step.
+        close = {"rtol": 3e-2, "atol": 3e-2}
+    torch.testing.assert_close(out, expected, **close)
+    assert torch.equal(
+        _without_null_page(kv.cache).view(torch.uint8),
+        _without_null_page(expected_cache).view(torch.uint8),
+    )
+    assert (expected_cache[batch.layer, 0].float().abs() == 448.0).any()
+    kv.cache.copy_(before)
+    kv.set_scales(KVScales(scales.flip(0), "calculated"))  # layer 0's scales on layer 1
+    other = _run_triton(fp8_batch, TritonAttentionBackend(attention_spec))
+    assert not torch.allclose(other.float(), out.float(), **close)
 
 
 def test_decode_row_is_the_same_next_to_prompt_chunks(device: torch.device) -> None:
