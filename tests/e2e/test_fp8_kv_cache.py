@@ -1,7 +1,8 @@
-"""`kv_cache_dtype="fp8"` on the CPU: K/V stored as float8 e4m3 (scale 1, saturating at +-448).
-The engine equals the serial reference that keeps K/V the same way (tokens and exit depths, both
-layouts, gate exits, with preemption), the same memory holds more pages, and backends without an
-fp8 path say so."""
+"""`kv_cache_dtype="fp8"` on the CPU: K/V stored as float8 e4m3 (scale 1, or per-layer scales
+from `calculate_kv_scales`; saturating at +-448 x scale). The engine equals the serial reference
+that keeps K/V the same way, with the engine's scales (tokens and exit depths, both layouts, gate
+exits, with preemption), the scales' source is reported, the same memory holds more pages, and
+backends without an fp8 path say so."""
 
 from __future__ import annotations
 
@@ -14,10 +15,21 @@ from loopserve import LLM, SamplingParams
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend
 from loopserve.attention.torch_backend import TorchAttentionBackend
-from loopserve.kv.storage import FP8
+from loopserve.engine.engine import Engine
+from loopserve.kv.storage import FP8, KVScales
+from loopserve.models.kv_scales import calculate_kv_scales
 from loopserve.reference import SerialReference
 
 PROMPTS = [[7, 3, 9, 120, 44, 2, 18, 99, 5, 61, 17], [200], list(range(30, 70)), [5, 5, 81]]
+
+
+def engine_kv_scales(engine: Engine) -> KVScales | None:
+    """The per-layer scales an engine's fp8 cache runs with (None: K/V are not fp8), for the
+    serial reference."""
+    source = engine.info.kv_cache_scales
+    if source is None:
+        return None
+    return KVScales(engine.runner.decode.kv.scales, source)  # type: ignore[attr-defined]
 
 
 def params(index: int) -> SamplingParams:
@@ -27,16 +39,27 @@ def params(index: int) -> SamplingParams:
 
 
 @pytest.mark.parametrize(
-    ("kv_layout", "num_kv_pages"), [("full", 256), ("shared", 256), ("full", 24)]
+    ("kv_layout", "num_kv_pages", "calculate"),
+    [("full", 256, False), ("shared", 256, False), ("full", 24, False)]
+    + [("full", 256, True), ("shared", 256, True), ("full", 24, True)],
 )
-def test_fp8_engine_equals_the_fp8_reference(kv_layout: str, num_kv_pages: int) -> None:
-    llm = LLM(dtype="float32", kv_cache_dtype="fp8", kv_layout=kv_layout, num_kv_pages=num_kv_pages)
+def test_fp8_engine_equals_the_fp8_reference(
+    kv_layout: str, num_kv_pages: int, calculate: bool
+) -> None:
+    llm = LLM(
+        dtype="float32", kv_cache_dtype="fp8", kv_layout=kv_layout, num_kv_pages=num_kv_pages,
+        calculate_kv_scales=calculate,
+    )  # fmt: skip
     assert llm.engine.info.kv_cache_dtype == "float8_e4m3fn"
+    assert llm.engine.info.kv_cache_scales == ("calculated" if calculate else "1.0")
+    scales = engine_kv_scales(llm.engine)
+    assert scales is not None and (scales.scale != 1).all() == calculate
     requests = [params(index) for index in range(len(PROMPTS))]
     outputs = llm.generate(PROMPTS, requests)
     reference = SerialReference(
-        llm.engine.runner.model, kv_layout=kv_layout, exit_mode="ouro", kv_cache_dtype="fp8"
-    )
+        llm.engine.runner.model, kv_layout=kv_layout, exit_mode="ouro", kv_cache_dtype="fp8",
+        kv_scales=scales,
+    )  # fmt: skip
     exact = SerialReference(llm.engine.runner.model, kv_layout=kv_layout, exit_mode="ouro")
     differs = False
     for prompt, request, output in zip(PROMPTS, requests, outputs, strict=True):
@@ -52,6 +75,18 @@ def test_fp8_engine_equals_the_fp8_reference(kv_layout: str, num_kv_pages: int) 
         assert differs, "fp8 K/V should change some token here (else the test tests nothing)"
     if num_kv_pages == 24:
         assert llm.engine.stats().num_preemptions > 0
+
+
+def test_the_scales_come_from_calibration_only_with_an_fp8_cache() -> None:
+    """`kv_cache_dtype` auto: no scales (reported null), and asking to calculate them is
+    refused by name; fp8: the calculated scales are `calculate_kv_scales` of the model."""
+    assert LLM(num_kv_pages=16).engine.info.kv_cache_scales is None
+    with pytest.raises(ValueError, match=r"calculate_kv_scales \(--calculate-kv-scales\) needs"):
+        LLM(calculate_kv_scales=True)
+    llm = LLM(dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True, num_kv_pages=16)
+    scales = engine_kv_scales(llm.engine)
+    assert scales is not None
+    assert torch.equal(scales.scale, calculate_kv_scales(llm.engine.runner.model).scale)
 
 
 def test_the_same_memory_holds_more_pages() -> None:

@@ -1,6 +1,7 @@
-"""FP8 weights (`quantization="fp8"`), the fp8 KV cache and both together on the CPU (fp32
-activations): the engine's token ids and exit depths equal the serial reference that runs the same
-quantized model and keeps K/V as the cache does. Across the families (Ouro with 4 and 2 loops,
+"""FP8 weights (`quantization="fp8"`), the fp8 KV cache (with scale 1, and with per-layer scales
+from `calculate_kv_scales`) and both together on the CPU (fp32 activations): the engine's token
+ids and exit depths equal the serial reference that runs the same quantized model and keeps K/V
+as the cache does, with the engine's scales. Across the families (Ouro with 4 and 2 loops,
 Nanbeige4.2, Huginn-0125 with prelude and coda layers), both layouts, every exit mode, both
 scheduling modes, staggered batches in prefill chunks, swap and recompute preemption and
 prefix-cache hits; and each quantization really changes some tokens, so the equalities are not
@@ -24,11 +25,13 @@ from loopserve.reference import SerialReference
 from tests.conftest import TINY_CONFIG, VARIED_GATE
 from tests.e2e.test_engine_vs_reference import MODES, PREFIXED, PROMPTS, RUN_STATS, params_for
 from tests.e2e.test_engine_vs_reference import run_engine as run_engine_with
+from tests.e2e.test_fp8_kv_cache import engine_kv_scales
 from tests.e2e.test_huginn_vs_reference import modes as huginn_modes
 
 QUANTIZED = {
     "fp8-weights": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "fp8-kv-scaled": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
     "fp8-both": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }
 # Family checkpoint -> its exit modes (name -> engine exit mode, request threshold).
@@ -93,6 +96,7 @@ def reference(checkpoints):  # type: ignore[no-untyped-def]
             exit_mode=FAMILIES[family][mode][0],
             trace_distribution=D2_6[:loops],
             kv_cache_dtype=str(options.get("kv_cache_dtype", "auto")),
+            kv_scales=engine_kv_scales(engine),
         )
         params = engine.resolve(params_for(index, mode, loops, FAMILIES[family]))
         out = serial.generate(list(prompt) or PROMPTS[index], params)
@@ -135,13 +139,16 @@ def test_engine_equals_the_quantized_reference(
 @pytest.mark.parametrize("quantized", QUANTIZED)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantization_changes_some_tokens(reference, family: str, quantized: str) -> None:
-    """Otherwise the equalities above would hold for an engine that ignores the setting."""
+    """Otherwise the equalities above would hold for an engine that ignores the setting (and
+    calculated scales change tokens against scale 1, so the engine cannot ignore them either)."""
     mode = "fixed"
-    runs = [
-        [reference(family, name, "full", mode, index) for index in range(len(PROMPTS))]
-        for name in ("none", quantized)
-    ]
-    assert runs[0] != runs[1]
+    baselines = ("none", "fp8-kv") if quantized == "fp8-kv-scaled" else ("none",)
+    runs = {
+        name: [reference(family, name, "full", mode, index) for index in range(len(PROMPTS))]
+        for name in (*baselines, quantized)
+    }
+    for baseline in baselines:
+        assert runs[baseline] != runs[quantized], baseline
 
 
 # Preemption (swap, recompute) and prefix-cache hits, with both quantizations on.
