@@ -155,3 +155,15 @@ def test_a_bad_speculative_config_is_refused_before_anything_runs(
     assert main(argv) == 2
     assert "must be a JSON object" in capsys.readouterr().err
     assert not model.exists()
+
+
+def test_fp8_kv_scales_are_recorded(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    code, records = _bench(
+        tiny_checkpoint, tmp_path,
+        "--concurrency", "1", "--exits", "fixed", "--scheduling", "refill", "--trials", "1",
+        "--kv-cache-dtype", "fp8", "--calculate-kv-scales",
+    )  # fmt: skip
+    assert code == 0
+    (run,) = [record for record in records if record["record"] == "offline"]
+    assert run["config"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert run["config"]["kv_cache_scales"] == "calculated"

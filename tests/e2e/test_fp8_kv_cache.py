@@ -38,10 +38,12 @@ def params(index: int) -> SamplingParams:
     )
 
 
+LAYOUTS = [("full", 256), ("shared", 256), ("full", 24)]
+
+
 @pytest.mark.parametrize(
     ("kv_layout", "num_kv_pages", "calculate"),
-    [("full", 256, False), ("shared", 256, False), ("full", 24, False)]
-    + [("full", 256, True), ("shared", 256, True), ("full", 24, True)],
+    [(layout, pages, calculate) for calculate in (False, True) for layout, pages in LAYOUTS],
 )
 def test_fp8_engine_equals_the_fp8_reference(
     kv_layout: str, num_kv_pages: int, calculate: bool

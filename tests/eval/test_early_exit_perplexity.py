@@ -7,9 +7,9 @@ import torch
 
 from loopserve.eval.early_exit_perplexity import ExitSettings, score_windows
 from loopserve.kv.storage import FP8
-from loopserve.models.kv_scales import calculate_kv_scales
 from loopserve.models.checkpoint_writer import RandomInit, random_state_dict
 from loopserve.models.families import preset_config
+from loopserve.models.kv_scales import calculate_kv_scales
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.reference import SerialReference
 from loopserve.sampling_params import ResolvedParams, SamplingParams

@@ -135,9 +135,7 @@ SCALED_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("spec", "shape"), SCALED_CASES, ids=[f"{s}-{h}" for s, h in SCALED_CASES]
-)
+@pytest.mark.parametrize(("spec", "shape"), SCALED_CASES, ids=[f"{s}-{h}" for s, h in SCALED_CASES])
 def test_scaled_fp8_cache_matches_torch_backend(
     spec: str, shape: HeadShape, device: torch.device
 ) -> None:

@@ -316,3 +316,15 @@ def test_server_thread_owns_the_engine() -> None:
     asyncio.run(scenario())
     thread.stop(timeout=5)
     assert seen and set(seen) == {"loopserve-engine"}
+
+
+def test_the_model_card_says_where_fp8_kv_scales_came_from() -> None:
+    from loopserve.config import EngineConfig
+    from loopserve.engine.engine import Engine
+    from loopserve.entrypoints.openai.context import ModelInfo
+
+    config = EngineConfig.from_options(
+        kv_cache_dtype="fp8", calculate_kv_scales=True, dtype="float32", num_kv_pages=16
+    )
+    info = ModelInfo.of(Engine(config))
+    assert (info.kv_cache_dtype, info.kv_cache_scales) == ("float8_e4m3fn", "calculated")

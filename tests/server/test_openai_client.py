@@ -220,6 +220,7 @@ def test_models_endpoint(client: Any) -> None:
         "float32",
         "none",
     )
+    assert models[0].kv_cache_scales is None  # K/V not fp8: no scales
 
 
 def test_chat_template_is_the_checkpoints(tiny_model: Path) -> None:

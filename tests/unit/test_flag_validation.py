@@ -122,3 +122,15 @@ def test_swap_space_beyond_host_memory_is_refused(monkeypatch: pytest.MonkeyPatc
         kv_budget.check_swap_space(config, torch.device("cuda", 0))
     kv_budget.check_swap_space(config, torch.device("cpu"))  # no pinned swap on the CPU
     kv_budget.check_swap_space(EngineConfig(swap_space_gb=4), torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize(
+    "command", [["generate", "--prompt", "a"], ["eval", "perplexity"], ["bench", "offline"]]
+)
+def test_calculate_kv_scales_needs_an_fp8_kv_cache(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """Refused by name wherever the flag is taken, before any model loads."""
+    err = _one_line_error(capsys, [*command, "--device", "cpu", "--calculate-kv-scales"])
+    assert "--calculate-kv-scales" in err and "needs" in err, err
+    assert "--kv-cache-dtype" in err and "fp8" in err, err
