@@ -1,14 +1,24 @@
 """What fp8 costs in accuracy: the serial reference with fp8 weights (`quantization="fp8"`), an
-fp8 KV cache (`kv_cache_dtype="fp8"`) and both, against the same reference unquantized,
-teacher-forced on the same text.
+fp8 KV cache (`kv_cache_dtype="fp8"`, with scale 1 and with the per-layer scales that
+`calculate_kv_scales` gives) and both, against the same reference unquantized, teacher-forced on
+the same text.
 
     python -m benchmarks.fp8_accuracy [--model DIR] [--device cpu] [--tokens 48] [--texts 8]
+        [--kv-gain G]
 
 Per variant and loop count (every token runs exactly that many loops): the mean KL divergence of
 the variant's next-token distributions from the unquantized ones, the share of positions whose
 top-1 token agrees, and the perplexity of the forced text under each (Python standard-library
 sources, as the built-in model was trained on). Per variant and exit threshold (0.5, 0.7): the
-mean exit depth of the forced tokens under the model's exit gate. Prints one JSON line each.
+mean exit depth of the forced tokens under the model's exit gate. First, per KV layer: the
+largest |K| and |V| the calibration prompts gave, and the largest over the whole text the windows
+are cut from, in windows of the prompts' length (what the calculated scales' headroom is for).
+Prints one JSON line each.
+
+`--kv-gain G` runs the same model with K and V G times larger: each layer's k and v projections
+times G, its q and o projections over G, so q . k and the attention output are unchanged (for a
+power of two, bit for bit in fp32, fp8 weights included). Scale 1 then saturates what exceeds 448;
+calculated scales grow by G and store the same bits.
 """
 
 from __future__ import annotations
@@ -18,15 +28,21 @@ import inspect
 import json
 import math
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
-# name -> (engine quantization, reference kv_cache_dtype)
+# name -> (engine quantization, reference kv_cache_dtype, calculated KV scales (else 1))
 VARIANTS = {
-    "none": ("none", "auto"),
-    "fp8-kv": ("none", "fp8"),
-    "fp8-weights": ("fp8", "auto"),
-    "fp8-both": ("fp8", "fp8"),
+    "none": ("none", "auto", False),
+    "fp8-kv": ("none", "fp8", False),
+    "fp8-kv-calculated": ("none", "fp8", True),
+    "fp8-weights": ("fp8", "auto", False),
+    "fp8-both": ("fp8", "fp8", False),
+    "fp8-both-calculated": ("fp8", "fp8", True),
 }
 THRESHOLDS = (0.5, 0.7)
 
@@ -42,13 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", type=int, default=48, help="forced tokens per text")
     parser.add_argument("--texts", type=int, default=8)
+    parser.add_argument(
+        "--kv-gain", type=float, default=1.0, help="K and V this many times larger (module doc)"
+    )
     args = parser.parse_args(argv)
     from loopserve import LLM, SamplingParams
+    from loopserve.models.builtin import resolve_model_dir
+    from loopserve.models.kv_scales import calculate_kv_scales, calibration_prompts, kv_amax
     from loopserve.reference import ReferenceOutput, SerialReference
 
+    scratch = tempfile.TemporaryDirectory()
+    model_dir = resolve_model_dir(args.model)
+    if args.kv_gain != 1.0:
+        model_dir = _with_kv_gain(model_dir, args.kv_gain, Path(scratch.name) / "gained")
     engines = {
         quantization: LLM(
-            args.model, device=args.device, dtype=args.dtype, num_kv_pages=64,
+            str(model_dir), device=args.device, dtype=args.dtype, num_kv_pages=64,
             quantization=quantization,
         )
         for quantization in ("none", "fp8")
@@ -59,13 +84,31 @@ def main(argv: list[str] | None = None) -> int:
     ids = llm.tokenizer.encode(text)
     span = 16 + args.tokens
     windows = [ids[i * span : (i + 1) * span] for i in range(args.texts)]
+    models = {name: llm.engine.runner.model for name, llm in engines.items()}  # type: ignore[attr-defined]
+    model = models["none"]
+    config = model.config
+    prompts = calibration_prompts(config.vocab_size, config.max_position_embeddings)
+    length = prompts.shape[1]
+    rows = len(ids) // length
+    texts = torch.tensor(ids[: rows * length]).view(rows, length)  # all of it, in prompts' length
+    texts_amax = torch.stack([kv_amax(model, chunk) for chunk in texts.split(64)]).amax(0)
+    for layer, (calibrated, seen) in enumerate(
+        zip(kv_amax(model, prompts).tolist(), texts_amax.tolist(), strict=True)
+    ):
+        ratio = [a / b for a, b in zip(seen, calibrated, strict=True)]
+        pairs = {"calibration_amax_kv": calibrated, "texts_amax_kv": seen, "ratio_kv": ratio}
+        print(
+            json.dumps({"layer": layer} | {k: [round(v, 4) for v in p] for k, p in pairs.items()})
+        )
+    scales = {name: calculate_kv_scales(model) for name, model in models.items()}
     references = {
         name: SerialReference(
-            engines[quantization].engine.runner.model,  # type: ignore[attr-defined]
+            models[quantization],
             exit_mode="ouro",
             kv_cache_dtype=kv_dtype,
+            kv_scales=scales[quantization] if calculated else None,
         )
-        for name, (quantization, kv_dtype) in VARIANTS.items()
+        for name, (quantization, kv_dtype, calculated) in VARIANTS.items()
     }
 
     def forced_runs(params: SamplingParams) -> dict[str, list[ReferenceOutput]]:
@@ -112,7 +155,25 @@ def main(argv: list[str] | None = None) -> int:
             depths = [d for run in variant_runs for d in run.exit_depths[1:]]  # generated tokens
             mean = sum(depths) / len(depths)
             print(_rounded({"variant": name, "threshold": threshold, "mean_exit_depth": mean}))
+    scratch.cleanup()
     return 0
+
+
+def _with_kv_gain(source: Path, gain: float, target: Path) -> Path:
+    """A copy of the checkpoint at `source` whose attention keeps K and V `gain` times larger
+    and computes the same (module doc); Ouro's and Nanbeige's tensor names."""
+    from loopserve.models.loader import checkpoint_files
+
+    shutil.copytree(source, target)
+    factors = {"q_proj": 1 / gain, "k_proj": gain, "v_proj": gain, "o_proj": 1 / gain}
+    for path in sorted(set(checkpoint_files(target).values())):
+        tensors = load_file(str(path))
+        for name, tensor in tensors.items():
+            parts = name.split(".")
+            if parts[-1] == "weight" and parts[-2] in factors:
+                tensors[name] = tensor * factors[parts[-2]]
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return target
 
 
 if __name__ == "__main__":

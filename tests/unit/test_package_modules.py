@@ -65,7 +65,7 @@ MODULES: dict[str, set[str]] = {
     "kv": {"__init__", "layout", "metadata", "pages", "storage", "transfer"},
     "models": {
         "__init__", "builtin", "checkpoint_writer", "families", "generation_config", "huginn",
-        "huginn_config", "layers",
+        "huginn_config", "kv_scales", "layers",
         "loader", "looped", "model_config", "nanbeige", "nanbeige_config", "ops", "ouro", "quant",
         "ouro_config", "window_attention",
     },
