@@ -19,6 +19,7 @@ from loopserve.models.ouro_config import OuroConfig
 from loopserve.reference import SerialReference
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.sampling_params import SamplingParams
+from tests.e2e.test_fp8_kv_cache import engine_kv_scales
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,7 +107,7 @@ def fp32_engine_equals_reference(
     checkpoint: Path, layout: str, mode: str, scheduling: str, **options: object
 ) -> Engine:
     """The engine's run of 10 mixed requests equals the serial reference (which keeps K/V as the
-    engine's `kv_cache_dtype` option says); returns the engine."""
+    engine's `kv_cache_dtype` option says, with the engine's fp8 scales); returns the engine."""
     exit_mode, threshold = MODES[mode]
     engine = Engine(
         EngineConfig.from_options(
@@ -123,6 +124,7 @@ def fp32_engine_equals_reference(
         kv_layout=layout,
         exit_mode=exit_mode,
         kv_cache_dtype=str(options.get("kv_cache_dtype", "auto")),
+        kv_scales=engine_kv_scales(engine),
     )
     for index, (prompt, request_params) in enumerate(zip(batch, params, strict=True)):
         expected = reference.generate(prompt, engine.resolve(request_params))

@@ -1,7 +1,8 @@
 """FP8 weights and the fp8 KV cache on a CUDA GPU: every projection through the Triton fp8 matmul
-(`kernels.matmul.linear`) and K/V stored as e4m3. In fp32 the engine equals the serial reference
-that runs the same quantized model and keeps K/V the same way; in bf16 graphs equal eager and a
-request alone equals itself inside a batch of 32.
+(`kernels.matmul.linear`) and K/V stored as e4m3, with scale 1 and with calculated per-layer
+scales. In fp32 the engine equals the serial reference that runs the same quantized model and
+keeps K/V the same way; in bf16 graphs equal eager and a request alone equals itself inside a
+batch of 32.
 
 Run on a GPU machine with `pytest -m gpu tests/gpu`.
 """
@@ -30,6 +31,9 @@ __all__ = ["checkpoint"]  # the module fixture, shared
 QUANTIZED = {
     "fp8-weights": {"quantization": "fp8"},
     "fp8-both": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    # per-layer K and V scales, set before the graphs are captured and read by the kernels
+    "fp8-both-scaled": {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    | {"calculate_kv_scales": True},
 }
 
 
