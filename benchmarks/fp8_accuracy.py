@@ -4,13 +4,15 @@ fp8 KV cache (`kv_cache_dtype="fp8"`, with scale 1 and with the per-layer scales
 the same text.
 
     python -m benchmarks.fp8_accuracy [--model DIR] [--device cpu] [--tokens 48] [--texts 8]
-        [--kv-gain G]
+        [--kv-gain G] [--variants fp8-kv,fp8-weights,...] [--dtype bfloat16]
 
 Per variant and loop count (every token runs exactly that many loops): the mean KL divergence of
 the variant's next-token distributions from the unquantized ones, the share of positions whose
 top-1 token agrees, and the perplexity of the forced text under each (Python standard-library
 sources, as the built-in model was trained on). Per variant and exit threshold (0.5, 0.7): the
-mean exit depth of the forced tokens under the model's exit gate. First, per KV layer: the
+mean exit depth of the forced tokens under the model's exit gate. A checkpoint without a tokenizer
+(the random-weight Ouro-1.4B that the GPU scripts write) is forced through seeded random token
+ids instead of text; `--dtype bfloat16` makes the baseline the bf16 model. First, per KV layer: the
 largest |K| and |V| the calibration prompts gave, and the largest over the whole text the windows
 are cut from, in windows of the prompts' length (what the calculated scales' headroom is for).
 Prints one JSON line each.
@@ -61,7 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-gain", type=float, default=1.0, help="K and V this many times larger (module doc)"
     )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, of {', '.join(VARIANTS)} ('none' always runs: the baseline)",
+    )
     args = parser.parse_args(argv)
+    chosen = ["none", *(v for v in args.variants.split(",") if v and v != "none")]
+    unknown = [name for name in chosen if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    variants = {name: VARIANTS[name] for name in chosen}
     from loopserve import LLM, SamplingParams
     from loopserve.models.builtin import resolve_model_dir
     from loopserve.models.kv_scales import calculate_kv_scales, calibration_prompts, kv_amax
@@ -79,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         for quantization in ("none", "fp8")
     }  # fmt: skip
     llm = engines["none"]
-    assert llm.tokenizer is not None, "the model needs a tokenizer (the texts are text)"
-    text = "\n".join(inspect.getsource(module) for module in (argparse, os, inspect))
-    ids = llm.tokenizer.encode(text)
+    if llm.tokenizer is not None:
+        text = "\n".join(inspect.getsource(module) for module in (argparse, os, inspect))
+        ids = llm.tokenizer.encode(text)
+    else:  # a random-weight checkpoint has no tokenizer and no text to force: seeded token ids
+        vocab = llm.engine.model_config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, vocab, (8192,), generator=generator).tolist()
     span = 16 + args.tokens
     windows = [ids[i * span : (i + 1) * span] for i in range(args.texts)]
     models = {name: llm.engine.runner.model for name, llm in engines.items()}  # type: ignore[attr-defined]
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_dtype=kv_dtype,
             kv_scales=scales[quantization] if calculated else None,
         )
-        for name, (quantization, kv_dtype, calculated) in VARIANTS.items()
+        for name, (quantization, kv_dtype, calculated) in variants.items()
     }
 
     def forced_runs(params: SamplingParams) -> dict[str, list[ReferenceOutput]]:
@@ -128,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=True,
         )  # fmt: skip
         runs = forced_runs(params)
-        for name in VARIANTS:
+        for name in variants:
             totals = {"kl": 0.0, "agree": 0, "nll_exact": 0.0, "nll": 0.0, "n": 0}
             for window, exact_run, run in zip(windows, runs["none"], runs[name], strict=True):
                 for index, token in enumerate(window[16:]):
