@@ -91,20 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         for quantization in ("none", "fp8")
     }  # fmt: skip
     llm = engines["none"]
-    if llm.tokenizer is not None:
-        text = "\n".join(inspect.getsource(module) for module in (argparse, os, inspect))
-        ids = llm.tokenizer.encode(text)
-    else:  # a random-weight checkpoint has no tokenizer and no text to force: seeded token ids
-        vocab = llm.engine.model_config.vocab_size
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(1, vocab, (8192,), generator=generator).tolist()
-    span = 16 + args.tokens
-    windows = [ids[i * span : (i + 1) * span] for i in range(args.texts)]
     models = {name: llm.engine.runner.model for name, llm in engines.items()}  # type: ignore[attr-defined]
     model = models["none"]
     config = model.config
     prompts = calibration_prompts(config.vocab_size, config.max_position_embeddings)
     length = prompts.shape[1]
+    span = 16 + args.tokens
+    if llm.tokenizer is not None:
+        text = "\n".join(inspect.getsource(module) for module in (argparse, os, inspect))
+        ids = llm.tokenizer.encode(text)
+    else:  # a random-weight checkpoint has no tokenizer and no text to force: seeded token ids,
+        # as many as the windows take (at least one calibration prompt's length)
+        generator = torch.Generator().manual_seed(0)
+        count = max(args.texts * span, length)
+        ids = torch.randint(1, config.vocab_size, (count,), generator=generator).tolist()
+    windows = [ids[i * span : (i + 1) * span] for i in range(args.texts)]
     rows = len(ids) // length
     texts = torch.tensor(ids[: rows * length]).view(rows, length)  # all of it, in prompts' length
     texts_amax = torch.stack([kv_amax(model, chunk) for chunk in texts.split(64)]).amax(0)
