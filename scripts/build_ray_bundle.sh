@@ -26,7 +26,7 @@ PYTHON="${PYTHON:-python3}"
 PYTHON_VERSION="${PYTHON_VERSION:-3.12}"
 STRIP="${STRIP:-strip}"  # binutils' strip
 RAY_SPEC="${RAY_SPEC:-ray[serve]==2.60.*}"
-PACKAGES=("$RAY_SPEC" 'fastapi>=0.110' 'pydantic>=2.8' 'uvicorn>=0.29' 'jinja2>=3.1' 'aiohttp>=3.9')
+PACKAGES=("$RAY_SPEC" 'fastapi>=0.110' 'pydantic>=2.12' 'uvicorn>=0.29' 'jinja2>=3.1' 'aiohttp>=3.9')
 # Paths inside the ray wheel that Ray Serve on one machine does not need.
 RAY_TRIM=(
   "ray/jars"              # Java workers (cross-language actors): 33 MB

@@ -14,7 +14,7 @@
 #          or jinja2; nothing installs from the network there):
 #            mkdir -p .carry/serve && pip download --only-binary=:all: --python-version 3.12 \
 #              --platform manylinux2014_x86_64 --implementation cp -d .carry/serve \
-#              'fastapi>=0.110' 'pydantic>=2.8' 'uvicorn>=0.29' 'jinja2>=3.1'     (~4 MB)
+#              'fastapi>=0.110' 'pydantic>=2.12' 'uvicorn>=0.29' 'jinja2>=3.1'     (~4 MB)
 #          then, carrying `.carry/serve`:  OUT=$OUT SERVE_WHEELS=.carry/serve bash scripts/gpu_serve_rates.sh
 # CPU rehearsal (ouro-tiny, tiny sizes, ~2 min on 2 cores):
 #          DEVICE=cpu OUT=/tmp/rates bash scripts/gpu_serve_rates.sh

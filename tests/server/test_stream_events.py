@@ -1,5 +1,7 @@
 """A stream carries one event per generated token, as vLLM's does: on a checkpoint without a
-tokenizer (every text delta empty) and on one with a tokenizer, completions and chat, `n` > 1."""
+tokenizer (every text delta empty) and on one with a tokenizer, completions and chat, `n` > 1;
+the events of one engine output go out in one write; events are ASCII-only JSON, each chunk
+written as its whole serialization would be."""
 
 from __future__ import annotations
 
@@ -132,3 +134,110 @@ def test_goodput_counts_the_requests_that_meet_every_target() -> None:
     for bad in ("ttft", "itl:5", "tpot:x", "e2el:-1"):
         with pytest.raises(ValueError, match="--goodput"):
             Goodput.parse([bad])
+
+
+def test_stream_events_are_ascii_only_json(server: Any) -> None:
+    """Text with U+2028 and the like is escaped: line readers that split on it see whole events."""
+    prompt = "Héllo\u2028wörld\u0085 🙂"
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True, "echo": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        raw = response.read()
+    events = [event for event in raw.split(b"\n\n") if event]
+    assert events[-1] == b"data: [DONE]"
+    assert all(event.isascii() and event.startswith(b"data: ") for event in events)
+    first = json.loads(events[0].removeprefix(b"data: "))
+    assert first["choices"][0]["text"] == prompt
+
+
+def test_chunk_events_are_the_bytes_of_the_whole_chunk() -> None:
+    from loopserve.entrypoints.openai.responses import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChatDelta,
+        CompletionChoice,
+        CompletionResponse,
+    )
+    from loopserve.entrypoints.openai.serving import ChunkEvents
+    from loopserve.entrypoints.openai.streaming import sse_model_event
+
+    envelopes_and_choices: list[tuple[Any, list[Any]]] = [
+        (
+            CompletionResponse(id="cmpl-1", created=7, model='a "model"', choices=[]),
+            [
+                CompletionChoice(index=0, text="é\u2028", exit_depths=[4], token_ids=[9]),
+                CompletionChoice(index=1, text="", finish_reason="length", exit_depths=[]),
+            ],
+        ),
+        (
+            ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[]),
+            [ChatChunkChoice(index=0, delta=ChatDelta(content="🙂"), exit_depths=[2, 3])],
+        ),
+    ]
+    for envelope, choices in envelopes_and_choices:
+        whole = envelope.model_copy(update={"choices": choices})
+        assert ChunkEvents(envelope).event(choices) == sse_model_event(whole)
+        assert ChunkEvents(envelope).event([]) == sse_model_event(envelope)
+    with pytest.raises(ValueError, match="empty"):
+        ChunkEvents(envelopes_and_choices[0][0].model_copy(update={"choices": choices}))
+
+
+def test_the_events_of_one_output_go_out_in_one_write() -> None:
+    """An output with three new tokens (a speculating engine's) is three events in one send."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from loopserve.entrypoints.openai.engine_thread import EngineRequest
+    from loopserve.entrypoints.openai.prompts import ChoicePlan, Prompt
+    from loopserve.entrypoints.openai.protocol import CompletionRequest, parse_request
+    from loopserve.entrypoints.openai.serving import ResponseIdentity, respond
+    from loopserve.entrypoints.openai.serving_completions import _CompletionWriter
+    from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from loopserve.sampling_params import SamplingParams
+
+    sequence = CompletionOutput(
+        index=0, text="abc", token_ids=[7, 8, 9], exit_depths=[4, 2, 3], logprobs=None,
+        finish_reason="length", new_token_ids=[7, 8, 9], new_text="abc",
+    )  # fmt: skip
+    output = RequestOutput("cmpl-1-0", None, [1, 2], [sequence], True, RequestMetrics(0.0))
+
+    class OneOutputEngine:
+        async def add(self, requests: Any, queue: asyncio.Queue[Any]) -> None:
+            queue.put_nowait(output)
+
+        def abort(self, request_ids: Any) -> None:
+            pass
+
+    request = parse_request(
+        CompletionRequest,
+        {"prompt": [1, 2], "max_tokens": 3, "stream": True, "return_token_ids": True},
+    )
+    prompt = Prompt([1, 2], None)
+    plan = ChoicePlan(0, 0, prompt, EngineRequest("cmpl-1-0", prompt.token_ids, SamplingParams()))
+    context: Any = SimpleNamespace(logprobs=None)  # the writer reads it for log-probs only
+    writer = _CompletionWriter(ResponseIdentity("cmpl-1", 7, "m"), [plan], request, context)
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body" and message["body"]:
+            sent.append(message["body"])
+
+    async def receive() -> Any:
+        await asyncio.Event().wait()  # the client stays
+
+    async def stream() -> None:
+        engine: Any = OneOutputEngine()
+        client: Any = SimpleNamespace(receive=receive)
+        response = await respond(client, engine, [plan], True, writer)
+        await response({"type": "http"}, receive, send)
+
+    asyncio.run(stream())
+    assert len(sent) == 2 and sent[1] == b"data: [DONE]\n\n"
+    events = [json.loads(event.removeprefix(b"data: ")) for event in sent[0].split(b"\n\n")[:-1]]
+    choices = [event["choices"][0] for event in events]
+    assert [choice["token_ids"] for choice in choices] == [[7], [8], [9]]
+    assert [choice["exit_depths"] for choice in choices] == [[4], [2], [3]]
+    assert [choice["text"] for choice in choices] == ["", "", "abc"]
+    assert [choice["finish_reason"] for choice in choices] == [None, None, "length"]

@@ -41,27 +41,23 @@ class ChoiceState:
         sequence = output.outputs[0]
         start = self._num_tokens_sent
         end = len(sequence.token_ids)
-        if self._done or (end == start and not sequence.finished):
+        finish_reason = sequence.finish_reason
+        if self._done or (end == start and finish_reason is None):
             return []
         text = sequence.text[self._num_chars_sent :]
         self._num_chars_sent = len(sequence.text)
         self._num_tokens_sent = end
-        self._done = sequence.finished
-        cuts = list(range(start, end)) or [start]  # a finish without a new token: one delta
-        deltas = []
-        for index in cuts:
-            last = index == cuts[-1]
-            stop = index + 1 if end > start else start
-            deltas.append(
-                ChoiceDelta(
-                    text=text if last else "",
-                    token_ids=sequence.token_ids[index:stop],
-                    exit_depths=sequence.exit_depths[index:stop],
-                    logprobs=(
-                        sequence.logprobs[index:stop] if sequence.logprobs is not None else None
-                    ),
-                    finish_reason=sequence.finish_reason if sequence.finished and last else None,
-                    stop_reason=sequence.stop_reason if last else None,
-                )
+        self._done = finish_reason is not None
+        last = max(start, end - 1)  # a finish without a new token: one delta, with no token
+        logprobs = sequence.logprobs
+        return [
+            ChoiceDelta(
+                text=text if index == last else "",
+                token_ids=sequence.token_ids[index : index + 1],
+                exit_depths=sequence.exit_depths[index : index + 1],
+                logprobs=logprobs[index : index + 1] if logprobs is not None else None,
+                finish_reason=finish_reason if index == last else None,
+                stop_reason=sequence.stop_reason if index == last else None,
             )
-        return deltas
+            for index in range(start, last + 1)
+        ]

@@ -2,8 +2,9 @@
 
 Owns: `respond` (start the generation, then stream events or wait for the final outputs while
 watching for a disconnect; whatever ends the response aborts what is unfinished), merging a
-generation's outputs into per-choice deltas, SSE framing of chunk streams (an error after the
-headers went out becomes an error event), and usage counts. Must not: know the fields of a
+generation's outputs into per-choice deltas, SSE framing of chunk streams (the events of one batch
+of outputs go out in one write; an error after the headers went out becomes an error event), and
+usage counts. Must not: know the fields of a
 particular endpoint (its `ResponseWriter` does).
 """
 
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,6 +28,7 @@ from loopserve.entrypoints.openai.streaming import (
     DONE_EVENT,
     EventStreamResponse,
     sse_event,
+    sse_model_event,
     unless_disconnected,
 )
 from loopserve.outputs import RequestOutput
@@ -42,8 +45,9 @@ class ResponseIdentity:
 
 
 class ResponseWriter(Protocol):
-    def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
-        """The JSON chunks of a streamed response."""
+    def events(self, generation: Generation) -> AsyncIterator[bytes]:
+        """The SSE events of a streamed response (`ChunkEvents`), those of one batch of outputs
+        in one piece (one write)."""
         ...
 
     def response(self, outputs: Mapping[str, RequestOutput]) -> dict[str, Any]:
@@ -64,7 +68,7 @@ async def respond(
     generation = Generation(engine, [plan.request for plan in plans], constraint_field)
     await generation.start()
     if stream:
-        return EventStreamResponse(_events(writer.chunks(generation)), on_close=generation.close)
+        return EventStreamResponse(_events(writer.events(generation)), on_close=generation.close)
     try:
         outputs = await unless_disconnected(generation.final_outputs(), request.receive)
     finally:
@@ -74,26 +78,49 @@ async def respond(
     return JSONResponse(writer.response(outputs))
 
 
-async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _events(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     try:
-        async for chunk in chunks:
-            yield sse_event(chunk)
+        async for piece in events:
+            yield piece
     except OpenAIError as error:
         yield sse_event(error.body())
     yield DONE_EVENT
 
 
+class ChunkEvents:
+    """The SSE events of one streamed response's chunks. A chunk of choices without usage (every
+    chunk but the usage one) is written as the response's envelope (`id`, `object`, `created`,
+    `model`, `"usage":null`), serialized once here, around its choices' JSON: the bytes of
+    `sse_model_event` of the whole chunk, at the cost of serializing the choices alone."""
+
+    def __init__(self, envelope: BaseModel) -> None:
+        """`envelope`: a chunk of the response with `choices` empty and no usage."""
+        head, found, tail = sse_model_event(envelope).partition(b'"choices":[]')
+        if not found:
+            raise ValueError("the envelope must have an empty `choices` list")
+        self._head = head + b'"choices":['
+        self._tail = b"]" + tail
+
+    def event(self, choices: Sequence[BaseModel]) -> bytes:
+        """The event of the envelope's chunk with these choices."""
+        encoded = (choice.model_dump_json(ensure_ascii=True).encode() for choice in choices)
+        return self._head + b",".join(encoded) + self._tail
+
+
 async def choice_deltas(
     generation: Generation, plans: Sequence[ChoicePlan]
-) -> AsyncIterator[tuple[ChoicePlan, ChoiceDelta]]:
-    """Per-choice deltas as outputs arrive: one per token an engine output adds to a choice, or
-    one that finishes it, in arrival order (so a stream carries an event per generated token)."""
+) -> AsyncIterator[list[tuple[ChoicePlan, ChoiceDelta]]]:
+    """Per-choice deltas as outputs arrive, a list per batch of outputs: one per token an engine
+    output adds to a choice, or one that finishes it, in arrival order (so a stream carries an
+    event per generated token)."""
     by_id = {plan.request.request_id: plan for plan in plans}
     states = {request_id: ChoiceState() for request_id in by_id}
     async for batch in generation.batches():
-        for output in batch:
-            for delta in states[output.request_id].deltas(output):
-                yield by_id[output.request_id], delta
+        yield [
+            (by_id[output.request_id], delta)
+            for output in batch
+            for delta in states[output.request_id].deltas(output)
+        ]
 
 
 def usage(plans: Sequence[ChoicePlan], completion_tokens: int) -> Usage:

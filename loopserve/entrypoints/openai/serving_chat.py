@@ -49,11 +49,13 @@ from loopserve.entrypoints.openai.responses import (
     to_json,
 )
 from loopserve.entrypoints.openai.serving import (
+    ChunkEvents,
     ResponseIdentity,
     choice_deltas,
     respond,
     usage,
 )
+from loopserve.entrypoints.openai.streaming import sse_model_event
 from loopserve.entrypoints.reasoning import (
     ReasoningSplitter,
     after_reasoning,
@@ -209,16 +211,23 @@ class _ChatWriter:
         )
         return to_json(response)
 
-    async def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
-        for plan in self._plans:
-            role = ChatDelta(role="assistant", content="")
-            yield self._chunk([ChatChunkChoice(index=plan.index, delta=role, exit_depths=[])])
+    async def events(self, generation: Generation) -> AsyncIterator[bytes]:
+        chunk = ChunkEvents(self._chunk([]))
+        role = ChatDelta(role="assistant", content="")
+        yield b"".join(
+            chunk.event([ChatChunkChoice(index=plan.index, delta=role, exit_depths=[])])
+            for plan in self._plans
+        )
         num_tokens = 0
-        async for plan, delta in choice_deltas(generation, self._plans):
-            num_tokens += len(delta.token_ids)
-            yield self._chunk([self._chunk_choice(plan, delta)])
+        async for deltas in choice_deltas(generation, self._plans):
+            events = []
+            for plan, delta in deltas:
+                num_tokens += len(delta.token_ids)
+                events.append(chunk.event([self._chunk_choice(plan, delta)]))
+            if events:
+                yield b"".join(events)
         if self._request.include_usage_in_stream:
-            yield self._chunk([], usage_counts=usage(self._plans, num_tokens))
+            yield sse_model_event(self._chunk([], usage_counts=usage(self._plans, num_tokens)))
 
     def _chunk_choice(self, plan: ChoicePlan, delta: ChoiceDelta) -> ChatChunkChoice:
         text_delta = self._text_delta(plan, delta)
@@ -267,15 +276,14 @@ class _ChatWriter:
 
     def _chunk(
         self, choices: list[ChatChunkChoice], usage_counts: Usage | None = None
-    ) -> dict[str, Any]:
-        chunk = ChatCompletionChunk(
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
             id=self._identity.id,
             created=self._identity.created,
             model=self._identity.model,
             choices=choices,
             usage=usage_counts,
         )
-        return to_json(chunk)
 
 
 def _tool_call(call: ToolCall) -> ToolCallOut:

@@ -38,11 +38,13 @@ from loopserve.entrypoints.openai.responses import (
     to_json,
 )
 from loopserve.entrypoints.openai.serving import (
+    ChunkEvents,
     ResponseIdentity,
     choice_deltas,
     respond,
     usage,
 )
+from loopserve.entrypoints.openai.streaming import sse_model_event
 from loopserve.outputs import RequestOutput
 
 
@@ -127,20 +129,27 @@ class _CompletionWriter:
         )
         return to_json(self._body(choices, usage(self._plans, num_tokens)))
 
-    async def chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, generation: Generation) -> AsyncIterator[bytes]:
+        chunk = ChunkEvents(self._body([]))
         offsets = {plan.index: 0 for plan in self._plans}
         if self._request.echo:
+            echoes = []
             for plan in self._plans:
                 echo = self._echo(plan)
                 offsets[plan.index] = len(echo)
-                yield to_json(self._body([_text_choice(plan.index, echo)]))
+                echoes.append(chunk.event([_text_choice(plan.index, echo)]))
+            yield b"".join(echoes)
         num_tokens = 0
-        async for plan, delta in choice_deltas(generation, self._plans):
-            choice, offsets[plan.index] = self._choice(plan, delta, offsets[plan.index])
-            num_tokens += len(delta.token_ids)
-            yield to_json(self._body([choice]))
+        async for deltas in choice_deltas(generation, self._plans):
+            events = []
+            for plan, delta in deltas:
+                choice, offsets[plan.index] = self._choice(plan, delta, offsets[plan.index])
+                num_tokens += len(delta.token_ids)
+                events.append(chunk.event([choice]))
+            if events:
+                yield b"".join(events)
         if self._request.include_usage_in_stream:
-            yield to_json(self._body([], usage(self._plans, num_tokens)))
+            yield sse_model_event(self._body([], usage(self._plans, num_tokens)))
 
     def _choice(
         self, plan: ChoicePlan, delta: ChoiceDelta, text_offset: int

@@ -1,9 +1,9 @@
 """Server-sent events, and noticing that a client went away.
 
-Owns: the SSE framing (`data: <json>\\n\\n`, ending with `data: [DONE]`), `EventStreamResponse`
-(streams events while listening for `http.disconnect`, whatever ASGI spec version the server
-speaks, and always runs its `on_close` callback), and `unless_disconnected` for non-streaming
-responses. Must not: know what the events contain.
+Owns: the SSE framing (`data: <json>\\n\\n`, compact ASCII-only JSON, ending with `data: [DONE]`),
+`EventStreamResponse` (streams events while listening for `http.disconnect`, whatever ASGI spec
+version the server speaks, and always runs its `on_close` callback), and `unless_disconnected`
+for non-streaming responses. Must not: know what the events contain.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -23,10 +24,18 @@ DONE_EVENT = b"data: [DONE]\n\n"
 _Result = TypeVar("_Result")
 
 
+# Events are ASCII-only JSON: generated text may hold U+2028, U+0085 and the like, which many
+# clients' line readers (str.splitlines, httpx's iter_lines) would split an event at.
+
+
 def sse_event(data: dict[str, Any]) -> bytes:
-    # ASCII-only JSON: generated text may hold U+2028, U+0085 and the like, which many clients'
-    # line readers (str.splitlines, httpx's iter_lines) would split an event at.
-    return b"data: " + json.dumps(data, ensure_ascii=True).encode() + b"\n\n"
+    return b"data: " + json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_model_event(model: BaseModel) -> bytes:
+    """The event of `sse_event(to_json(model))` (floats may be spelled differently, as 1e-5 for
+    1e-05), at about half the cost: pydantic serializes the model without a dict in between."""
+    return b"data: " + model.model_dump_json(ensure_ascii=True).encode() + b"\n\n"
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
