@@ -13,19 +13,19 @@ several-fold whenever another process takes a core."""
 
 from __future__ import annotations
 
-import gc
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+
+from loopserve.entrypoints.openai.server import objects_frozen
 
 from .bad_requests import (
     COMPLETIONS,
@@ -159,27 +159,16 @@ def _measure(url: str, cases: list[Case]) -> tuple[float, float]:
     return _p99(loaded), _p99(idle)
 
 
-@contextmanager
-def _no_collector_pauses_in_the_clients() -> Iterator[None]:
-    """The stream's clients are threads of this process. After other tests (tests/ray above all)
-    it holds half a million objects, and a full collection of them stalls every client for 0.3 s:
-    after tests/ray the first attempt's p99 came out at 2.5x the idle one, twice, and a second
-    attempt (11 s) was needed. Frozen, the collector skips those objects and the first attempt
-    passed; the server, another process, is measured as before."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def test_malformed_requests_do_not_slow_down_well_formed_ones(served: Served) -> None:
     cases = bad_requests()
     _run_matrix(served.url, cases)  # warm-up: the first of a kind runs lazy set-up code
     _stream_latencies(served.url, lambda sent: sent < 5)
     attempts = []
-    with _no_collector_pauses_in_the_clients():
+    # The stream's clients are threads of this process. After other tests (tests/ray above all)
+    # it holds half a million objects, and a full collection of them stalls every client for
+    # 0.3 s: after tests/ray the first attempt's p99 came out at 2.5x the idle one, twice. Frozen,
+    # the collector skips them; the server, another process, is measured as before.
+    with objects_frozen():
         for _ in range(MAX_ATTEMPTS):
             loaded, idle = _measure(served.url, cases)
             attempts.append(f"p99 {loaded * 1e3:.0f} ms under the matrix, {idle * 1e3:.0f} ms idle")

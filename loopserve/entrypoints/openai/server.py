@@ -86,18 +86,19 @@ def run_server(
                 on_listening(socket_url(sock))
 
     app = build_app(Engine(engine_config), config)
-    with _startup_objects_frozen():
+    with objects_frozen():
         Server(uvicorn_config(app, config)).run(sockets=[sock])
 
 
 @contextmanager
-def _startup_objects_frozen() -> Iterator[None]:
-    """Exempt what exists once the model has loaded (torch, the model, the app: ~330,000 objects
-    on a tokenizer-less checkpoint) from the garbage collector's full collections while serving.
-    A collection holds the interpreter lock, and so stalls the engine thread, for as long as it
-    takes: ~140 ms each on the 2-core CPU box (one every ~14 s of serving at C=128), ~5 ms with
-    them frozen. Objects freed by reference counting still are. Unfrozen on the way out, so the
-    interpreter's exit frees them (extensions such as Triton's report what it did not)."""
+def objects_frozen() -> Iterator[None]:
+    """Exempt every object that exists now from the garbage collector's full collections until
+    the block ends. The server enters it once the model has loaded (torch, the model, the app:
+    ~330,000 objects on a tokenizer-less checkpoint). A collection holds the interpreter lock,
+    and so stalls the engine thread, for as long as it takes: ~140 ms each on the 2-core CPU box
+    (one every ~14 s of serving at C=128), ~5 ms with them frozen. Objects freed by reference
+    counting still are. Unfrozen on the way out, so the interpreter's exit frees them
+    (extensions such as Triton's report what it did not)."""
     gc.collect()
     gc.freeze()
     try:
