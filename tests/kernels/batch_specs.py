@@ -18,7 +18,7 @@ import torch
 
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.kv.storage import KVStorage
+from loopserve.kv.storage import FP8, KVScales, KVStorage, to_cache_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +227,21 @@ def _dense_contexts(
         values.append(row_values)
         start += row.query_len
     return keys, values
+
+
+def fp8_storage(batch: Batch, scales: KVScales | None = None) -> KVStorage:
+    """`batch`'s cache as a float8 cache stores it (the poisoned pages stay NaN), with the
+    per-layer `scales` set first where given (None: scale 1)."""
+    cache = batch.kv
+    kv = KVStorage(
+        num_layers=cache.num_layers, num_pages=cache.num_pages, block_size=cache.block_size,
+        num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, dtype=FP8,
+        device=cache.cache.device,
+    )  # fmt: skip
+    if scales is not None:
+        kv.set_scales(scales)
+    kv.cache.copy_(to_cache_dtype(cache.cache, FP8))
+    return kv
 
 
 def decode_subset(batch: Batch, indices: list[int]) -> tuple[AttentionMetadata, list[int]]:

@@ -10,9 +10,9 @@ import triton.language as tl
 from loopserve.attention.torch_backend import write_kv as reference_write_kv
 from loopserve.kernels.kv_write import cache_value, read_value, write_kv
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.kv.storage import FP8, KVScales, KVStorage, from_cache, to_cache_dtype
+from loopserve.kv.storage import FP8, KVScales, from_cache, to_cache_dtype
 
-from .batch_specs import DECODE_SPECS, PREFILL_SPECS, HeadShape, build_batch
+from .batch_specs import DECODE_SPECS, PREFILL_SPECS, HeadShape, build_batch, fp8_storage
 
 SHAPES = [HeadShape(4, 2, 32, torch.float32), HeadShape(2, 2, 80, torch.bfloat16)]
 SPECS = {**DECODE_SPECS, **PREFILL_SPECS}
@@ -93,11 +93,7 @@ def test_fp8_write_matches_reference(device: torch.device) -> None:
     """The KV write kernel into an fp8 cache stores the reference write's bits."""
     shape = SHAPES[0]
     batch = build_batch(SPECS["packed_mixed"], shape, device)
-    kv = KVStorage(
-        num_layers=2, num_pages=batch.kv.num_pages, block_size=batch.kv.block_size,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=FP8, device=device,
-    )  # fmt: skip
-    kv.cache.copy_(to_cache_dtype(batch.kv.cache, FP8))
+    kv = fp8_storage(batch)
     before = kv.cache.clone()
     reference_write_kv(kv, batch.layer, batch.k, batch.v, batch.metadata.slot_mapping)
     expected = kv.cache.clone()
@@ -165,12 +161,7 @@ def test_scaled_fp8_write_matches_reference(device: torch.device) -> None:
     each layer's own K and V scales (the others' would store other bits)."""
     shape = SHAPES[0]
     batch = build_batch(SPECS["packed_mixed"], shape, device)
-    kv = KVStorage(
-        num_layers=2, num_pages=batch.kv.num_pages, block_size=batch.kv.block_size,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=FP8, device=device,
-    )  # fmt: skip
-    kv.set_scales(KVScales(torch.tensor([[0.5, 3.0], [0.002, 0.07]]), "checkpoint"))
-    kv.cache.copy_(to_cache_dtype(batch.kv.cache, FP8))
+    kv = fp8_storage(batch, KVScales(torch.tensor([[0.5, 3.0], [0.002, 0.07]]), "checkpoint"))
     before = kv.cache.clone()
     reference_write_kv(kv, batch.layer, batch.k, batch.v, batch.metadata.slot_mapping)
     expected = kv.cache.clone()

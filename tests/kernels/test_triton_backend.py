@@ -22,7 +22,7 @@ from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.attention.triton_backend import TritonAttentionBackend
 from loopserve.kernels import paged_prefill
 from loopserve.kv.pages import NULL_PAGE
-from loopserve.kv.storage import FP8, KVScales, KVStorage, to_cache_dtype
+from loopserve.kv.storage import FP8, KVScales
 
 from .batch_specs import (
     DECODE_SPECS,
@@ -32,6 +32,7 @@ from .batch_specs import (
     build_batch,
     decode_subset,
     dense_reference,
+    fp8_storage,
     tolerance,
 )
 
@@ -105,11 +106,7 @@ def test_fp8_cache_matches_torch_backend(spec: str, shape: HeadShape, device: to
     past it), and attention over the fp8 cache agrees with the torch backend's."""
     batch = build_batch(SPECS[spec], shape, device, seed=3)
     batch.k[0] *= 1000.0  # beyond fp8's range: stored as +-448 by both
-    kv = KVStorage(
-        num_layers=2, num_pages=batch.kv.num_pages, block_size=batch.kv.block_size,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=FP8, device=device,
-    )  # fmt: skip
-    kv.cache.copy_(to_cache_dtype(batch.kv.cache, FP8))  # the poisoned pages stay NaN
+    kv = fp8_storage(batch)
     before = kv.cache.clone()
     attention_spec = dataclasses.replace(_spec(shape, device.type), kv_dtype=FP8)
     fp8_batch = dataclasses.replace(batch, kv=kv)
@@ -145,13 +142,8 @@ def test_scaled_fp8_cache_matches_torch_backend(
     matter (the layer's K is stored saturated past 448 x its scale, and another layer's scales
     give another output). Both decode tile paths: dots (fp32 GQA) and lanes (bf16 MHA)."""
     batch = build_batch(SPECS[spec], shape, device, seed=4)
-    kv = KVStorage(
-        num_layers=2, num_pages=batch.kv.num_pages, block_size=batch.kv.block_size,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=FP8, device=device,
-    )  # fmt: skip
     scales = torch.tensor([[1.0, 1.0], [0.004, 0.0123]])  # batch.layer is 1
-    kv.set_scales(KVScales(scales, "calculated"))
-    kv.cache.copy_(to_cache_dtype(batch.kv.cache, FP8))  # the poisoned pages stay NaN
+    kv = fp8_storage(batch, KVScales(scales, "calculated"))
     before = kv.cache.clone()
     attention_spec = dataclasses.replace(_spec(shape, device.type), kv_dtype=FP8)
     fp8_batch = dataclasses.replace(batch, kv=kv)
