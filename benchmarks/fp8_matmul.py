@@ -1,11 +1,13 @@
 """What fp8 weights buy a layer's projections, and which tiling does it (GPU).
 
-`python -m benchmarks.fp8_matmul [--rows 1,8,...] [--shapes qkv,o,gate_up,down] [--out FILE]`:
-for Ouro-1.4B's four projections (the gate/up one with SiLU·up as its epilogue, as the engine
-runs it) at each row count, µs per call by CUDA-graph replay (`graph_replay.replay_ms`, the
-median) over enough weight copies to defeat the 50 MB L2, of: cuBLAS on the bf16 weight (and
-`silu_mul` after it for gate/up), and `kernels.matmul.linear` on the fp8 weight under its default
-tiling and under each candidate tiling. Each figure comes with the bytes it must move (weights,
+`python -m benchmarks.fp8_matmul [--rows 1,8,...] [--shapes qkv,o,gate_up,down] [--gemv]
+[--out FILE]`: for Ouro-1.4B's four projections (the gate/up one with SiLU·up as its epilogue,
+as the engine runs it) at each row count, µs per call by CUDA-graph replay
+(`graph_replay.replay_ms`, the median) over enough weight copies to defeat the 50 MB L2, of:
+cuBLAS on the bf16 weight (and `silu_mul` after it for gate/up), and `kernels.matmul.linear` on
+the fp8 weight under its default tiling and under each candidate tiling; with `--gemv`, also
+`kernels.gemv.fp8_gemv` under its default and each of `GEMV_CANDIDATES` at up to `GEMV_MAX_ROWS`
+rows (records with `"kernel": "gemv"`). Each figure comes with the bytes it must move (weights,
 scales, activations in and out) as a fraction of the copy bandwidth `bench.calibration` measures.
 Prints one JSON line per (shape, rows, tiling); the best candidate per (shape, rows) last.
 Must not: check correctness (tests/kernels/test_fp8_matmul.py does).
@@ -14,6 +16,7 @@ Must not: check correctness (tests/kernels/test_fp8_matmul.py does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from benchmarks.graph_replay import replay_ms
 from benchmarks.jsonl import emit
 from loopserve.bench.calibration import measure_ceilings
 from loopserve.kernels import fused_ops
+from loopserve.kernels.gemv import GemvTiling, fp8_gemv, gemv_tiling
 from loopserve.kernels.matmul import Tiling, linear, tiling_for
 from loopserve.kv.storage import FP8
 from loopserve.models.quant import quantize_weight
@@ -60,6 +64,22 @@ MANY_ROWS = [  # prompt chunks
     Tiling(128, 64, 128, 8, 3),
 ]
 
+GEMV_MAX_ROWS = 16
+GEMV_CANDIDATES = [  # (columns per program, K slice, warps): bytes in flight against programs
+    GemvTiling(2, 1024, 1),
+    GemvTiling(4, 512, 1),
+    GemvTiling(4, 512, 2),
+    GemvTiling(4, 1024, 2),
+    GemvTiling(4, 1024, 4),
+    GemvTiling(8, 256, 2),
+    GemvTiling(8, 512, 2),
+    GemvTiling(8, 512, 4),
+    GemvTiling(8, 1024, 4),
+    GemvTiling(16, 256, 4),
+    GemvTiling(16, 512, 4),
+    GemvTiling(16, 512, 8),
+]
+
 
 def candidates(rows: int) -> list[Tiling]:
     return FEW_ROWS if rows <= 16 else MID_ROWS if rows <= 128 else MANY_ROWS
@@ -69,7 +89,9 @@ def _replay_us(work: Callable[[], object], copies: int) -> float:
     return replay_ms(work) * 1e3 / copies
 
 
-def measure(shape: str, rows: int, ceiling_bytes_per_s: float) -> list[dict[str, object]]:
+def measure(
+    shape: str, rows: int, ceiling_bytes_per_s: float, gemv: bool = False
+) -> list[dict[str, object]]:
     columns, depth = SHAPES[shape]
     swiglu = shape == "gate_up"
     copies = max(1, min(24, 2 * L2_BYTES // (columns * depth) + 1))
@@ -89,7 +111,11 @@ def measure(shape: str, rows: int, ceiling_bytes_per_s: float) -> list[dict[str,
             return [fused_ops.silu_mul(*F.linear(x, w).chunk(2, dim=-1)) for w in weights]
         return [F.linear(x, w) for w in weights]
 
-    def fp8(tiling: Tiling | None) -> Callable[[], object]:
+    def fp8(tiling: Tiling | GemvTiling) -> Callable[[], object]:
+        if isinstance(tiling, GemvTiling):
+            return lambda: [
+                fp8_gemv(x, w8, scale, swiglu=swiglu, tiling=tiling) for w8, scale in quantized
+            ]
         return lambda: [
             linear(x, w8, tiling, swiglu=swiglu, scale=scale) for w8, scale in quantized
         ]
@@ -98,15 +124,21 @@ def measure(shape: str, rows: int, ceiling_bytes_per_s: float) -> list[dict[str,
     base = {"shape": shape, "rows": rows, "N": columns, "K": depth, "bf16_cublas_us": cublas_us}
     base["bf16_of_copy"] = bf16_bytes / (cublas_us * 1e-6) / ceiling_bytes_per_s
     default = tiling_for(rows, out_columns, FP8, swiglu)
+    tried: list[tuple[Tiling | GemvTiling, bool]] = [(default, True)]
+    tried += [(t, False) for t in candidates(rows) if t != default]
+    if gemv and rows <= GEMV_MAX_ROWS:
+        gemv_default = gemv_tiling(columns, depth)
+        tried += [(gemv_default, True)]
+        tried += [(t, False) for t in GEMV_CANDIDATES if t != gemv_default]
     records = []
-    for tiling in [default, *(t for t in candidates(rows) if t != default)]:
+    for tiling, is_default in tried:
         us = _replay_us(fp8(tiling), copies)
         records.append(
             base
             | {
-                "tiling": [tiling.block_m, tiling.block_n, tiling.block_k, tiling.num_warps,
-                           tiling.num_stages],
-                "default": tiling == default,
+                "kernel": "gemv" if isinstance(tiling, GemvTiling) else "linear",
+                "tiling": list(dataclasses.astuple(tiling)),
+                "default": is_default,
                 "fp8_us": us,
                 "fp8_of_copy": fp8_bytes / (us * 1e-6) / ceiling_bytes_per_s,
                 "fp8_over_bf16_cublas": us / cublas_us,
@@ -120,12 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rows", default="1,4,8,16,32,64,128,512")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--gemv", action="store_true", help="also time kernels.gemv.fp8_gemv")
     parser.add_argument("--out", type=Path, help="also append the JSON lines here")
     args = parser.parse_args(argv)
     ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
     for shape in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            for record in measure(shape, rows, ceilings.copy_bytes_per_s):
+            for record in measure(shape, rows, ceilings.copy_bytes_per_s, args.gemv):
                 rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
                 emit(rounded, args.out)
 

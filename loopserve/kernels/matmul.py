@@ -163,6 +163,20 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
 # best of `benchmarks.fp8_matmul`'s candidates at 1 to 32 rows of all four projections (decode,
 # where reading half the bytes counts); at 64 rows it is 1.0-1.25x the best, more rows unmeasured.
 FP8_TILING = Tiling(16, 32, 256, 4, 3)
+# Where a row's bits may follow its batch (fp8 weights without `batch_invariant`, which already
+# switch to `kernels.gemv` at few rows: models.ops.TritonOps), prompt chunks and large decode
+# batches take tilings that do not re-read the weights per 16 rows: the best uniform one of
+# `benchmarks.fp8_matmul`'s candidates over Ouro-1.4B's four projections at 64 and at 512 rows.
+FP8_MID_TILING = Tiling(16, 32, 256, 4, 3)
+FP8_MANY_TILING = Tiling(128, 64, 64, 8, 3)
+
+
+def fp8_tiling(rows: int, invariant: bool) -> Tiling:
+    """An fp8 weight's tiling over `rows` 16-bit rows: `FP8_TILING` at every row count where a
+    row's bits must not depend on M (`invariant`), else by row count."""
+    if invariant or rows <= 16:
+        return FP8_TILING
+    return FP8_MID_TILING if rows <= 128 else FP8_MANY_TILING
 
 
 def linear(

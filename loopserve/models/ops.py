@@ -178,9 +178,14 @@ class TritonOps(TorchOps):
     same bits at every row count; cuBLAS (the default) changes its reduction order with the row
     count for some shapes (kernels/matmul.py says which).
 
-    FP8 weights (`models.quant`): every projection is `kernels.matmul.linear` at every row count
-    (the fp8 W widened to x's dtype in registers; a row has the same bits at every M, so the
-    engine stays equal to the serial reference and its matmuls batch-invariant).
+    FP8 weights (`models.quant`): every projection is `kernels.matmul.linear` (the fp8 W widened
+    to x's dtype in registers; a row has the same bits at every M), except that at up to
+    `GEMV_ROWS` 16-bit rows without `batch_invariant` it is `kernels.gemv.fp8_gemv`, which reads
+    the weights at memory speed but sums in another order: there a request's bits depend on
+    which side of `GEMV_ROWS` its step falls (as bf16's do past 64 rows under cuBLAS), and
+    `batch_invariant` keeps the one kernel at every row count. Past `GEMV_ROWS` the tiling then
+    follows the row count too (`kernels.matmul.fp8_tiling`; with `batch_invariant`, one tiling).
+    fp32 rows (the exactness runs) never take the GEMV and keep fp32's tiling.
     """
 
     rotary_is_fused_ops = True
@@ -188,6 +193,9 @@ class TritonOps(TorchOps):
     # µs at 1, 4, 8 and 16 rows of Ouro-1.4B (docs/latency.md, "Norms and SiLU·up into the
     # matmuls"; 32 rows unmeasured).
     SWIGLU_ROWS = 16
+    # fp8 weights through the GEMV up to this many rows (docs/quantization.md, "FP8 weights at
+    # low concurrency").
+    GEMV_ROWS = 16
 
     def __init__(self, batch_invariant: bool = False) -> None:
         from loopserve.kernels import fused_ops
@@ -220,29 +228,47 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._kernels.silu_mul(gate, up)
 
-    def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    def _triton_linear(
+        self,
+        x: torch.Tensor,
+        layer: Linear,
+        rows_wanted: torch.Tensor | None = None,
+        swiglu: bool = False,
+    ) -> torch.Tensor:
+        """`kernels.matmul.linear`, or for fp8 weights at few 16-bit rows `kernels.gemv`."""
         scale = weight_scale(layer)
-        if scale is None:
-            return super().linear(x, layer)
-        from loopserve.kernels.matmul import linear
+        if (
+            scale is not None
+            and not self.batch_invariant
+            and x.dtype != torch.float32
+            and x.shape[0] <= self.GEMV_ROWS
+        ):
+            from loopserve.kernels.gemv import fp8_gemv
 
-        return linear(x, layer.weight, scale=scale)
+            return fp8_gemv(x, layer.weight, scale, rows_wanted, swiglu=swiglu)
+        from loopserve.kernels.matmul import fp8_tiling, linear
+
+        tiling = None
+        if scale is not None and x.dtype != torch.float32:
+            tiling = fp8_tiling(x.shape[0], self.batch_invariant)
+        return linear(x, layer.weight, tiling, rows_wanted, swiglu=swiglu, scale=scale)
+
+    def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        if weight_scale(layer) is None:
+            return super().linear(x, layer)
+        return self._triton_linear(x, layer)
 
     def swiglu(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
-        scale = weight_scale(layer)
-        if scale is None and (x.dtype != torch.bfloat16 or x.shape[0] > self.SWIGLU_ROWS):
+        if weight_scale(layer) is None and (
+            x.dtype != torch.bfloat16 or x.shape[0] > self.SWIGLU_ROWS
+        ):
             return super().swiglu(x, layer)
-        from loopserve.kernels.matmul import linear
-
-        return linear(x, layer.weight, swiglu=True, scale=scale)
+        return self._triton_linear(x, layer, swiglu=True)
 
     def down_proj(self, activated: torch.Tensor, layer: Linear) -> torch.Tensor:
-        scale = weight_scale(layer)
-        if scale is None and not self.batch_invariant:
+        if weight_scale(layer) is None and not self.batch_invariant:
             return super().down_proj(activated, layer)
-        from loopserve.kernels.matmul import linear
-
-        return linear(activated, layer.weight, scale=scale)
+        return self._triton_linear(activated, layer)
 
     def exit_hazard(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
@@ -261,11 +287,7 @@ class TritonOps(TorchOps):
         """kernels/matmul.py's masked matmul, as the LM head's: a program whose rows are all
         unneeded stores zeros without reading its weights, and a row's bits do not depend on the
         mask or the row count (so the serial reference, unmasked, gets the engine's bits)."""
-        from loopserve.kernels.matmul import linear
-
-        return linear(
-            x.contiguous(), layer.weight, rows_wanted=rows, swiglu=swiglu, scale=weight_scale(layer)
-        )
+        return self._triton_linear(x.contiguous(), layer, rows, swiglu)
 
     def lm_head(
         self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from loopserve.kernels.fused_ops import silu_mul
-from loopserve.kernels.matmul import FP8_TILING, Tiling, linear, tiling_for
+from loopserve.kernels.matmul import (
+    FP8_MANY_TILING,
+    FP8_MID_TILING,
+    FP8_TILING,
+    Tiling,
+    fp8_tiling,
+    linear,
+    tiling_for,
+)
 from loopserve.kv.storage import FP8
 from loopserve.models.quant import fp8_linear, quantize_weight
 from tests.kernels.conftest import ON_GPU
@@ -108,3 +116,13 @@ def test_ouro_projections_on_the_gpu(device: torch.device) -> None:
                     assert torch.equal(out[row], bits), (columns, depth, rows, row)
         exact = _exact(x, weight, scale)
         torch.testing.assert_close(out.double(), exact, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_tiling_follows_the_row_count_only_where_bits_may() -> None:
+    """`batch_invariant` keeps `FP8_TILING` at every row count; otherwise prompt chunks and large
+    batches get wider tiles (the rows' values are checked under every candidate above)."""
+    counts = (1, 16, 17, 128, 129, 2048)
+    assert {fp8_tiling(rows, invariant=True) for rows in counts} == {FP8_TILING}
+    assert fp8_tiling(16, invariant=False) == FP8_TILING
+    assert fp8_tiling(17, invariant=False) == FP8_MID_TILING
+    assert fp8_tiling(129, invariant=False) == FP8_MANY_TILING

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -127,6 +129,45 @@ def test_fp8_projections_match_torch(dtype: torch.dtype, device: torch.device) -
         got = getattr(TritonOps(), op)(x, layer)
         assert got.dtype == dtype
         close(got, getattr(TorchOps(), op)(x, layer))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_fp8_rows_take_the_gemv_up_to_gemv_rows(
+    device: torch.device, batch_invariant: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16-bit rows of fp8 projections: `kernels.gemv` up to GEMV_ROWS (not with
+    `batch_invariant`), `kernels.matmul.linear` past it; fp32 rows never take the GEMV. (The two
+    kernels' bits differ on the GPU only, so which one ran is recorded, not inferred.)"""
+    from loopserve.kernels import gemv, matmul
+
+    calls: list[str] = []
+
+    def spy(name: str, kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object, **kwargs: object) -> torch.Tensor:
+            calls.append(name)
+            return kernel(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(gemv, "fp8_gemv", spy("gemv", gemv.fp8_gemv))
+    monkeypatch.setattr(matmul, "linear", spy("linear", matmul.linear))
+    torch.manual_seed(7)
+    layer = _projection(2 * 48, 96, torch.bfloat16, device, fp8=True)
+    ops = TritonOps(batch_invariant=batch_invariant)
+    for rows in (1, ops.GEMV_ROWS, ops.GEMV_ROWS + 1):
+        x = torch.randn(rows, 96).to(device=device, dtype=torch.bfloat16)
+        calls.clear()
+        every = ops.down_proj(x, layer)
+        ops.linear(x, layer), ops.swiglu(x, layer)
+        wanted = torch.arange(rows, device=device) % 2 == 0
+        masked = ops.stage_linear(x, layer, wanted)
+        expected = "gemv" if rows <= ops.GEMV_ROWS and not batch_invariant else "linear"
+        assert calls == [expected] * 4, rows
+        assert torch.equal(masked[wanted], every[wanted]) and not masked[~wanted].any()
+        close(every, TorchOps().down_proj(x, layer))
+    calls.clear()
+    ops.linear(torch.randn(2, 96, device=device), layer)
+    assert calls == ["linear"]
 
 
 @pytest.mark.parametrize(("batch_invariant", "fp8"), [(False, False), (True, False), (False, True)])

@@ -1,0 +1,161 @@
+"""FP8-weight GEMV: a few rows of x times an e4m3 W, read at memory speed (decode at low
+concurrency, where a step is the weights' bytes).
+
+Owns: `fp8_gemv` (the `models.quant` rule — fp32 sums of x times the e4m3 values, times the row's
+scale, rounded to x's dtype — optionally SiLU·up of a fused gate/up projection's halves and a
+row mask, like `kernels.matmul.linear`) and its tiling per weight shape (`gemv_tiling`). Must
+not: use the tensor cores, or let a row's sum depend on the other rows or on M.
+
+How. One program per (row, block of BLOCK_N columns); rows vary fastest in the grid, so the
+programs that read one weight block run together and the weight comes from DRAM once (the others
+hit the L2). A program walks K in BLOCK_K slices, widening each [BLOCK_N, BLOCK_K] fp8 tile to
+fp32 and adding x times it into an fp32 [BLOCK_N, BLOCK_K] accumulator (no reduction inside the
+loop), then folds the BLOCK_K lanes in `tl.sum`'s fixed tree. A row's bits therefore depend on the
+tiling only, which `gemv_tiling` picks from W's shape, never from M: a row has the same bits at
+every row count this kernel runs (tests/kernels/test_gemv.py). They are not
+`kernels.matmul.linear`'s bits (the tensor cores add 16-wide slices in their own order), so the
+engine runs this kernel only where it does not promise batch invariance
+(`models.ops.TritonOps.GEMV_ROWS`; docs/quantization.md, "FP8 weights at low concurrency").
+
+Why not `kernels.matmul.linear` at one row: its smallest tile is 16 rows of MMA with the weight
+widened to bf16 on its way to the tensor cores; on the H200 it moved Ouro-1.4B's fp8 projections
+at 14-34 % of the copy bandwidth, no faster than cuBLAS on twice the bytes (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from loopserve.kernels.fused_ops import silu_times
+
+
+@triton.jit
+def _slice(
+    x_row, w_rows, up_offset, in_cols, K, start, acc, acc_up,
+    SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc (and acc_up) + x[start : start + BLOCK_K] times W's [BLOCK_N, BLOCK_K] slice."""
+    depth = start + tl.arange(0, BLOCK_K)
+    in_depth = depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
+    x = tl.load(x_row + depth, mask=in_depth, other=0.0).to(tl.float32)
+    w_mask = in_cols[:, None] & in_depth[None, :]
+    acc += tl.load(w_rows + depth[None, :], mask=w_mask, other=0.0).to(tl.float32) * x[None, :]
+    if SWIGLU:
+        w_up = tl.load(w_rows + up_offset + depth[None, :], mask=w_mask, other=0.0)
+        acc_up += w_up.to(tl.float32) * x[None, :]
+    return acc, acc_up
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, want_ptr, N, K, stride_x, stride_w, stride_out,
+    MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
+    SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    UNROLL: tl.constexpr,  # 0, or K // BLOCK_K rounded up: the K loop unrolled (K is constant)
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < N
+    out = out_ptr + row * stride_out + cols
+    if MASKED:  # noqa: SIM102 (a constexpr guard: no load is compiled without a mask)
+        if tl.load(want_ptr + row) == 0:  # an unwanted row reads no weight
+            tl.store(out, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=in_cols)
+            return
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    up_offset = N.to(tl.int64) * stride_w  # W_up's first row (SWIGLU)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # Unrolled, every slice's loads can issue before the first slice's products (bytes in flight
+    # are what a GEMV's speed is); the sums keep the same order either way.
+    if UNROLL:
+        for step in tl.static_range(UNROLL):
+            acc, acc_up = _slice(x_ptr + row * stride_x, w_rows, up_offset, in_cols, K,
+                                 step * BLOCK_K, acc, acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
+    else:
+        for start in range(0, K, BLOCK_K):
+            acc, acc_up = _slice(x_ptr + row * stride_x, w_rows, up_offset, in_cols, K, start,
+                                 acc, acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
+    # As `kernels.matmul.linear`: the fp32 sums scaled, rounded to x's dtype, then SiLU·up.
+    value = tl.sum(acc, axis=1) * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)
+    value = value.to(x_ptr.dtype.element_ty)
+    if SWIGLU:
+        up = tl.sum(acc_up, axis=1) * tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)
+        up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
+        value = silu_times(value.to(tl.float32), up, x_ptr.dtype.element_ty)
+    tl.store(out, value.to(out_ptr.dtype.element_ty), mask=in_cols)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvTiling:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+# A row's bits depend on the tiling, so it follows W's shape [N, K] only, never M: the best of
+# `benchmarks.fp8_matmul --gemv`'s candidates per Ouro-1.4B projection on the H200 (summed over
+# 1 and 4 rows), and for other shapes the one that was best over all four.
+GEMV_TILING = GemvTiling(16, 512, 4)
+GEMV_TILINGS: dict[tuple[int, int], GemvTiling] = {}
+
+
+# K slices up to which the K loop is unrolled (one compile per K then; deeper K loops).
+MAX_UNROLL = 16
+
+
+def gemv_tiling(columns: int, depth: int) -> GemvTiling:
+    """The tiling for an [N = columns, K = depth] weight (any M)."""
+    return GEMV_TILINGS.get((columns, depth), GEMV_TILING)
+
+
+def fp8_gemv(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32, a contiguous last dimension
+    weight: torch.Tensor,  # [N, K] float8 e4m3
+    scale: torch.Tensor,  # [N] fp32: W's scale per row (models.quant)
+    rows_wanted: torch.Tensor | None = None,  # [M] bool: compute these rows, zeros elsewhere
+    out_dtype: torch.dtype | None = None,  # default x's; the values are rounded to x's first
+    swiglu: bool = False,  # W = [W_gate; W_up]: silu(x W_gate^T) * x W_up^T, [M, N / 2]
+    tiling: GemvTiling | None = None,  # default `gemv_tiling` of W's shape
+) -> torch.Tensor:
+    """(x W^T) * scale, [M, N], each row on its own (see the module docstring); with `swiglu`,
+    `fused_ops.silu_mul` of its two halves, each rounded to x's dtype first."""
+    rows, depth = x.shape
+    columns = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if (
+        weight.dtype != torch.float8_e4m3fn
+        or weight.shape[1] != depth
+        or (swiglu and weight.shape[0] % 2)
+    ):
+        raise ValueError(
+            f"fp8_gemv of x {tuple(x.shape)} by W {tuple(weight.shape)} {weight.dtype}: W must "
+            "be float8_e4m3fn [N, K]" + (" with N even (swiglu)" if swiglu else "")
+        )
+    if scale.shape != (weight.shape[0],) or scale.dtype != torch.float32:
+        raise ValueError(f"fp8_gemv needs an fp32 [{weight.shape[0]}] scale")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("fp8_gemv needs x and W with a contiguous last dimension")
+    if rows_wanted is not None and (
+        rows_wanted.shape != (rows,) or rows_wanted.dtype != torch.bool
+    ):
+        raise ValueError(f"fp8_gemv's rows_wanted must be a [{rows}] bool mask")
+    out = torch.empty((rows, columns), dtype=out_dtype or x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    tile = tiling or gemv_tiling(weight.shape[0], depth)
+    grid = (rows, triton.cdiv(columns, tile.block_n))
+    slices = triton.cdiv(depth, tile.block_k)
+    _gemv_kernel[grid](
+        x, weight, scale, out, x if rows_wanted is None else rows_wanted, columns, depth,
+        x.stride(0), weight.stride(0), out.stride(0), MASKED=rows_wanted is not None,
+        SWIGLU=swiglu, EVEN_K=depth % tile.block_k == 0,
+        UNROLL=slices if slices <= MAX_UNROLL else 0, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,101 @@
+"""`kernels.gemv.fp8_gemv`: `models.quant`'s fp8 rule (fp32 sums of x times the e4m3 values,
+scaled per row, rounded to x's dtype) a row at a time, with SiLU·up and row masks on top, and a
+row's bits the same at every row count (the kernel never mixes rows); on the GPU also at
+Ouro-1.4B's shapes under every candidate tiling the benchmark tries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve.kernels.fused_ops import silu_mul
+from loopserve.kernels.gemv import MAX_UNROLL, GemvTiling, fp8_gemv
+from loopserve.models.quant import fp8_linear
+from tests.kernels.conftest import ON_GPU
+from tests.kernels.test_fp8_matmul import _exact, _fp8_operands
+
+SMALL = GemvTiling(16, 128, 4)  # K tails at depth 300, N tails at 40 columns
+# More K slices than `MAX_UNROLL`: the K loop is a loop.
+THIN = GemvTiling(8, 16, 1)
+assert 300 // THIN.block_k > MAX_UNROLL
+
+
+@pytest.mark.parametrize("tiling", [SMALL, THIN])
+@pytest.mark.parametrize("depth", [300, 512])  # a K tail; none
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_values_are_scaled_sums(
+    device: torch.device, dtype: torch.dtype, depth: int, tiling: GemvTiling
+) -> None:
+    x, weight, scale = _fp8_operands(3, depth, 40, dtype, device)
+    got = fp8_gemv(x, weight, scale, tiling=tiling)
+    assert got.dtype == dtype and got.shape == (3, 40)
+    tolerance = (
+        {"rtol": 1e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    )
+    torch.testing.assert_close(got.double(), _exact(x, weight, scale), **tolerance)
+    torch.testing.assert_close(got, fp8_linear(x, weight, scale), **tolerance)
+
+
+def test_a_row_has_the_same_bits_at_every_row_count(device: torch.device) -> None:
+    x, weight, scale = _fp8_operands(7, 300, 40, torch.bfloat16, device)
+    every = fp8_gemv(x, weight, scale, tiling=SMALL)
+    for rows in (1, 2, 5):
+        assert torch.equal(fp8_gemv(x[:rows], weight, scale, tiling=SMALL), every[:rows])
+    assert torch.equal(fp8_gemv(x[4:5], weight, scale, tiling=SMALL), every[4:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_scales_each_half_by_its_rows(device: torch.device, dtype: torch.dtype) -> None:
+    x, weight, scale = _fp8_operands(3, 300, 2 * 24, dtype, device)
+    scale = scale * torch.linspace(0.5, 2.0, scale.numel(), device=device)
+    gate, up = fp8_gemv(x, weight, scale, tiling=SMALL).chunk(2, dim=-1)
+    got = fp8_gemv(x, weight, scale, swiglu=True, tiling=SMALL)
+    expected = silu_mul(gate.contiguous(), up.contiguous())
+    if ON_GPU or dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:  # the interpreter's numpy may round a column by its place in the block
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_wanted_keeps_their_values_and_zeroes_the_rest(device: torch.device) -> None:
+    x, weight, scale = _fp8_operands(5, 96, 40, torch.bfloat16, device)
+    wanted = torch.tensor([True, False, False, True, False], device=device)
+    every = fp8_gemv(x, weight, scale, tiling=SMALL)
+    some = fp8_gemv(x, weight, scale, wanted, out_dtype=torch.float32, tiling=SMALL)
+    assert torch.equal(some[wanted], every[wanted].float()) and not some[~wanted].any()
+
+
+def test_refuses_what_it_cannot_compute(device: torch.device) -> None:
+    x, weight, scale = _fp8_operands(2, 64, 16, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="W must be float8_e4m3fn"):
+        fp8_gemv(x, weight.to(torch.bfloat16), scale)
+    with pytest.raises(ValueError, match="W must be float8_e4m3fn"):
+        fp8_gemv(x[:, :32], weight, scale)
+    with pytest.raises(ValueError, match=r"needs an fp32 \[16\] scale"):
+        fp8_gemv(x, weight, scale[:8])
+    with pytest.raises(ValueError, match=r"rows_wanted must be a \[2\] bool mask"):
+        fp8_gemv(x, weight, scale, torch.ones(3, dtype=torch.bool, device=device))
+    assert fp8_gemv(x[:0], weight, scale).shape == (0, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qkv", "o", "gate_up", "down"])
+def test_ouro_shapes_under_every_candidate_tiling(device: torch.device, shape: str) -> None:
+    """At Ouro-1.4B's sizes: values within bf16 rounding of the exact sums, and a row's bits the
+    same alone and among 8 rows, under each tiling `benchmarks.fp8_matmul --gemv` times."""
+    from benchmarks.fp8_matmul import GEMV_CANDIDATES, SHAPES
+
+    columns, depth = SHAPES[shape]
+    swiglu = shape == "gate_up"
+    x, weight, scale = _fp8_operands(8, depth, columns, torch.bfloat16, device)
+    gate, up = _exact(x, weight, scale).chunk(2, dim=-1) if swiglu else (None, None)
+    for tiling in GEMV_CANDIDATES:
+        every = fp8_gemv(x, weight, scale, swiglu=swiglu, tiling=tiling)
+        alone = fp8_gemv(x[3:4], weight, scale, swiglu=swiglu, tiling=tiling)
+        assert torch.equal(alone, every[3:4])
+        if swiglu:
+            expected = torch.nn.functional.silu(gate) * up
+            torch.testing.assert_close(every.double(), expected, rtol=2e-2, atol=2e-2)
+        else:
+            expected = _exact(x, weight, scale)
+            torch.testing.assert_close(every.double(), expected, rtol=1e-2, atol=2e-2)
