@@ -100,10 +100,15 @@ class GemvTiling:
 
 
 # A row's bits depend on the tiling, so it follows W's shape [N, K] only, never M: the best of
-# `benchmarks.fp8_matmul --gemv`'s candidates per Ouro-1.4B projection on the H200 (summed over
-# 1 and 4 rows), and for other shapes the one that was best over all four.
-GEMV_TILING = GemvTiling(16, 512, 4)
-GEMV_TILINGS: dict[tuple[int, int], GemvTiling] = {}
+# `benchmarks.fp8_matmul --gemv`'s candidates at one row per Ouro-1.4B projection on an H100
+# (docs/quantization.md), and for other shapes the one whose sum over the four was least.
+GEMV_TILING = GemvTiling(2, 1024, 1)
+GEMV_TILINGS: dict[tuple[int, int], GemvTiling] = {
+    (6144, 2048): GemvTiling(4, 512, 1),  # qkv
+    (2048, 2048): GemvTiling(2, 1024, 1),  # o
+    (11264, 2048): GemvTiling(2, 1024, 1),  # gate/up
+    (2048, 5632): GemvTiling(4, 1024, 2),  # down
+}
 
 
 # K slices up to which the K loop is unrolled (one compile per K then; deeper K loops).

@@ -195,7 +195,7 @@ class TritonOps(TorchOps):
     SWIGLU_ROWS = 16
     # fp8 weights through the GEMV up to this many rows (docs/quantization.md, "FP8 weights at
     # low concurrency").
-    GEMV_ROWS = 16
+    GEMV_ROWS = 4
 
     def __init__(self, batch_invariant: bool = False) -> None:
         from loopserve.kernels import fused_ops
