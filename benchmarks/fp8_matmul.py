@@ -47,8 +47,6 @@ FEW_ROWS = [  # candidates up to 16 rows: thin column blocks, deep K slices
     Tiling(16, 32, 512, 4, 3),
     Tiling(16, 64, 256, 4, 3),
     Tiling(16, 16, 1024, 4, 2),
-    Tiling(16, 64, 256, 4, 3, swap=True),
-    Tiling(16, 128, 128, 4, 3, swap=True),
 ]
 MID_ROWS = [  # 17 to 128 rows
     Tiling(16, 32, 128, 4, 3),
@@ -57,11 +55,6 @@ MID_ROWS = [  # 17 to 128 rows
     Tiling(16, 64, 256, 4, 3),
     Tiling(32, 64, 128, 4, 3),
     Tiling(64, 64, 128, 4, 3),
-    Tiling(16, 128, 128, 4, 3, swap=True),
-    Tiling(32, 64, 128, 4, 3, swap=True),
-    Tiling(64, 64, 128, 4, 3, swap=True),
-    Tiling(64, 128, 64, 4, 3, swap=True),
-    Tiling(128, 128, 64, 8, 3, swap=True),
 ]
 MANY_ROWS = [  # prompt chunks
     Tiling(128, 64, 64, 8, 3),
@@ -69,9 +62,6 @@ MANY_ROWS = [  # prompt chunks
     Tiling(128, 128, 128, 8, 3),
     Tiling(64, 128, 64, 4, 3),
     Tiling(128, 64, 128, 8, 3),
-    Tiling(128, 128, 64, 8, 3, swap=True),
-    Tiling(64, 128, 128, 8, 3, swap=True),
-    Tiling(128, 64, 128, 4, 3, swap=True),
 ]
 
 GEMV_MAX_ROWS = 8

@@ -49,14 +49,13 @@ from loopserve.kernels.fused_ops import silu_times
 
 
 @triton.jit
-def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr, DTYPE: tl.constexpr):
+def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32). An fp8
-    operand (the weight) is widened to DTYPE, x's dtype, first, which holds every e4m3 value
-    exactly."""
+    weight is widened to a's dtype first, which holds every e4m3 value exactly."""
     if UPCAST:
         a, w = a.to(tl.float32), w.to(tl.float32)
     else:
-        a, w = a.to(DTYPE), w.to(DTYPE)
+        w = w.to(a.dtype)
     if IEEE:
         return tl.dot(a, w, acc, input_precision="ieee")
     return tl.dot(a, w, acc)
@@ -71,7 +70,6 @@ def _matmul_kernel(
     MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
     SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
     SCALED: tl.constexpr,  # scale_ptr: W's fp32 scale per row (an fp8 W), applied to the sums
-    SWAP: tl.constexpr,  # W x^T (W the MMA's first operand, widened in registers), transposed
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,41 +88,21 @@ def _matmul_kernel(
     a_rows = rows.to(tl.int64)[:, None]
     w_cols = cols.to(tl.int64)[None, :] * stride_w
     up_offset = N.to(tl.int64) * stride_w  # W_up's first row (SWIGLU)
-    dtype = a_ptr.dtype.element_ty
-    if SWAP:  # [BLOCK_N, BLOCK_M] accumulators, transposed after the loop
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            depth = start + tl.arange(0, BLOCK_K)
-            in_depth = depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
-            a_mask = in_depth[:, None] & in_rows[None, :]
-            a = tl.load(
-                a_ptr + tl.trans(a_rows) * stride_a + depth[:, None], mask=a_mask, other=0.0
-            )
-            w_mask = in_cols[:, None] & in_depth[None, :]
-            w_at = w_ptr + tl.trans(w_cols) + depth[None, :]  # [BLOCK_N, BLOCK_K]
-            acc_t = _dot(tl.load(w_at, mask=w_mask, other=0.0), a, acc_t, IEEE, UPCAST, dtype)
-            if SWIGLU:
-                w_up = tl.load(w_at + up_offset, mask=w_mask, other=0.0)
-                acc_up_t = _dot(w_up, a, acc_up_t, IEEE, UPCAST, dtype)
-        acc, acc_up = tl.trans(acc_t), tl.trans(acc_up_t)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            depth = start + tl.arange(0, BLOCK_K)
-            # No K mask when K divides: a mask on the contiguous dimension may narrow the loads
-            # (unmeasured alone; in the first version, SiLU·up in the prologue, it changed
-            # nothing).
-            in_depth = depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
-            a_mask = in_rows[:, None] & in_depth[None, :]
-            a = tl.load(a_ptr + a_rows * stride_a + depth[None, :], mask=a_mask, other=0.0)
-            w_mask = in_depth[:, None] & in_cols[None, :]
-            w = tl.load(w_ptr + w_cols + depth[:, None], mask=w_mask, other=0.0)  # [K, N] block
-            acc = _dot(a, w, acc, IEEE, UPCAST, dtype)
-            if SWIGLU:
-                w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)
-                acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST, dtype)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        depth = start + tl.arange(0, BLOCK_K)
+        # No K mask when K divides: a mask on the contiguous dimension may narrow the loads
+        # (unmeasured alone; in the first version, SiLU·up in the prologue, it changed nothing).
+        in_depth = depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
+        a_mask = in_rows[:, None] & in_depth[None, :]
+        a = tl.load(a_ptr + a_rows * stride_a + depth[None, :], mask=a_mask, other=0.0)
+        w_mask = in_depth[:, None] & in_cols[None, :]
+        w = tl.load(w_ptr + w_cols + depth[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = _dot(a, w, acc, IEEE, UPCAST)
+        if SWIGLU:
+            w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)
+            acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
     # Rounded to x's dtype first, so an fp32 output holds what `F.linear(...).float()` would;
     # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves. An fp8 W's
     # scales multiply the fp32 sums before that rounding (`models.quant.fp8_linear`).
@@ -151,7 +129,6 @@ class Tiling:
     block_k: int
     num_warps: int
     num_stages: int
-    swap: bool = False  # compute W x^T: the weight is the MMA's first operand (other bits)
 
 
 def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False) -> Tiling:
@@ -188,20 +165,20 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
 FP8_TILING = Tiling(16, 32, 256, 4, 3)
 # Where a row's bits may follow its batch (fp8 weights without `batch_invariant`, which already
 # switch to `kernels.gemv` at few rows: models.ops.TritonOps), prompt chunks and large decode
-# batches take tilings that do not re-read the weights per 16 rows: the best uniform one of
-# `benchmarks.fp8_matmul`'s candidates over Ouro-1.4B's four projections at 16, 64 and 512 rows.
-FP8_FEW_TILING = Tiling(16, 32, 256, 4, 3)  # up to 16 rows
-FP8_MID_TILING = Tiling(32, 64, 128, 4, 3)  # 17 to 128
+# batches take tilings that do not re-read the weights per 16 rows: of `benchmarks.fp8_matmul`'s
+# candidates, the best summed over Ouro-1.4B's four projections at 128 rows (110.7 against
+# FP8_TILING's 148.1 µs on an H100) and at 512 (216.5 against 518.3 µs). At 16 rows none beat
+# FP8_TILING by more than 1 %. Tilings with the weight as the MMA's first operand (W x^T, the
+# fp8 -> bf16 widening in registers) were slower at 16, 128 and 512 rows, 1.1-3.8x.
+FP8_MID_TILING = Tiling(32, 64, 128, 4, 3)  # 17 to 128 rows
 FP8_MANY_TILING = Tiling(128, 64, 64, 8, 3)
 
 
 def fp8_tiling(rows: int, invariant: bool) -> Tiling:
     """An fp8 weight's tiling over `rows` 16-bit rows: `FP8_TILING` at every row count where a
     row's bits must not depend on M (`invariant`), else by row count."""
-    if invariant:
+    if invariant or rows <= 16:
         return FP8_TILING
-    if rows <= 16:
-        return FP8_FEW_TILING
     return FP8_MID_TILING if rows <= 128 else FP8_MANY_TILING
 
 
@@ -257,8 +234,7 @@ def linear(
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
         # operands are exact for bf16 / fp16 / fp8 values.
         UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0, MASKED=masked,
-        SWIGLU=swiglu, SCALED=scale is not None, SWAP=tile.swap, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
+        SWIGLU=swiglu, SCALED=scale is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out
