@@ -266,7 +266,8 @@ class EngineConfig:
         "CUDA: a request's tokens never depend on its batch, at any batch size: the down "
         "projection runs as a Triton matmul with one reduction order (cuBLAS, the "
         "default, keeps that only up to some batch size per shape: 64 rows for Ouro-1.4B on an "
-        "H200); needs fused_kernels and triton",
+        "H200), and fp8 weights keep one kernel and tiling at every row count (by default "
+        "they take a GEMV at up to 4 rows); needs fused_kernels and triton",
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 on one H200, in one call (issue 30; docs/quantization.md). PARTS picks, in this order:
-#   matmul    python -m benchmarks.fp8_matmul: Ouro-1.4B's projections, fp8 Triton vs bf16 cuBLAS,
-#             every candidate tiling ($OUT/fp8_matmul.jsonl)
+#   matmul    python -m benchmarks.fp8_matmul --gemv: Ouro-1.4B's projections, fp8 Triton (GEMV and
+#             matmul, every candidate tiling) vs bf16 cuBLAS ($OUT/fp8_matmul.jsonl)
 #   tests     the GPU tests of the fp8 paths: tests/kernels (fp8 KV kernels and fp8 matmuls),
 #             tests/gpu/test_quantized_gpu.py, and the structured-output GPU tests
 #             (llguidance from a carried wheel: .carry/wheels/llguidance-*.whl)
@@ -33,7 +33,7 @@ ab() {  # name bench-args b-args
 
 say "git ${LOOPSERVE_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 if part matmul; then
-  timeout 300 "$PYTHON" -m benchmarks.fp8_matmul --out "$OUT/fp8_matmul.jsonl" \
+  timeout 300 "$PYTHON" -m benchmarks.fp8_matmul --gemv --out "$OUT/fp8_matmul.jsonl" \
     >"$OUT/fp8_matmul.log" 2>&1
   say "matmul rc=$?"
   grep '"best"' "$OUT/fp8_matmul.jsonl" | tee -a "$LOG"
