@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from loopserve.entrypoints.openai.metrics import prometheus_number
+from loopserve.entrypoints.openai.metrics import metric_header, prometheus_number
 from loopserve.ray.fleet import Fleet, ReplicaReport
 
-# (name, kind, help, value of a sequence of reports)
-_Family = tuple[str, str, str, Callable[[Sequence[ReplicaReport]], float]]
+# (name in `metrics.METRICS`, value of a sequence of reports)
+_Family = tuple[str, Callable[[Sequence[ReplicaReport]], float]]
 
 
 def _total(field: str) -> Callable[[Sequence[ReplicaReport]], float]:
@@ -33,30 +33,21 @@ def _ratio(numerator: str, denominator: str) -> Callable[[Sequence[ReplicaReport
 
 
 _FAMILIES: tuple[_Family, ...] = (
-    ("num_requests_running", "gauge", "Requests in the running batch.", _total("num_running")),
-    ("num_requests_waiting", "gauge", "Requests waiting to be admitted.", _total("num_waiting")),
-    ("kv_pages_used", "gauge", "KV cache pages in use.", _total("kv_pages_used")),
-    ("kv_pages_total", "gauge", "Usable KV cache pages.", _total("kv_pages_total")),
-    ("kv_cache_usage", "gauge", "KV pages in use / usable KV pages.",
-     _ratio("kv_pages_used", "kv_pages_total")),
-    ("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / prompt tokens.",
-     _ratio("prefix_hit_tokens", "prefix_query_tokens")),
-    ("mean_exit_depth", "gauge", "Mean loops run per generated token.",
-     _ratio("exit_depth_sum", "exit_depth_count")),
-    ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", _total("prompt_tokens")),
-    ("generation_tokens_total", "counter", "Tokens generated.", _total("generation_tokens")),
-    ("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-     _total("prefix_query_tokens")),
-    ("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-     _total("prefix_hit_tokens")),
-    ("spec_decode_num_draft_tokens_total", "counter",
-     "Speculation: proposed tokens that got a decode row.", _total("proposed_tokens")),
-    ("spec_decode_num_accepted_tokens_total", "counter",
-     "Speculation: proposed tokens found equal to the final token.", _total("confirmed_tokens")),
-    ("spec_decode_num_drafts_total", "counter",
-     "Speculation: chains of proposals (1 + accepted / drafts is the mean accepted length).",
-     _total("speculative_drafts")),
-)  # fmt: skip
+    ("num_requests_running", _total("num_running")),
+    ("num_requests_waiting", _total("num_waiting")),
+    ("kv_pages_used", _total("kv_pages_used")),
+    ("kv_pages_total", _total("kv_pages_total")),
+    ("kv_cache_usage", _ratio("kv_pages_used", "kv_pages_total")),
+    ("prefix_cache_hit_rate", _ratio("prefix_hit_tokens", "prefix_query_tokens")),
+    ("mean_exit_depth", _ratio("exit_depth_sum", "exit_depth_count")),
+    ("prompt_tokens_total", _total("prompt_tokens")),
+    ("generation_tokens_total", _total("generation_tokens")),
+    ("prefix_cache_queries_total", _total("prefix_query_tokens")),
+    ("prefix_cache_hits_total", _total("prefix_hit_tokens")),
+    ("spec_decode_num_draft_tokens_total", _total("proposed_tokens")),
+    ("spec_decode_num_accepted_tokens_total", _total("confirmed_tokens")),
+    ("spec_decode_num_drafts_total", _total("speculative_drafts")),
+)
 
 
 def render_fleet(fleet: Fleet) -> str:
@@ -65,21 +56,21 @@ def render_fleet(fleet: Fleet) -> str:
         report for replica in range(fleet.size) if (report := fleet.report(replica)) is not None
     ]
     lines: list[str] = []
-    for name, kind, help_text, value in _FAMILIES:
-        lines += _header(name, kind, help_text)
+    for name, value in _FAMILIES:
+        lines += metric_header(name)
         lines.append(f"loopserve:{name} {prometheus_number(value(reports))}")
         for report in reports:
             sample = prometheus_number(value([report]))
             lines.append(f'loopserve:{name}{{replica="{report.replica}"}} {sample}')
     lines += _finished(reports)
-    lines += _header("replica_up", "gauge", "1 while the ingress routes to the replica.")
+    lines += metric_header("replica_up")
     for replica in range(fleet.size):
         lines.append(f'loopserve:replica_up{{replica="{replica}"}} {int(fleet.is_up(replica))}')
-    lines += _header("requests_in_flight", "gauge", "Requests the ingress has on the replica.")
+    lines += metric_header("requests_in_flight")
     for replica in range(fleet.size):
         count = fleet.in_flight(replica)
         lines.append(f'loopserve:requests_in_flight{{replica="{replica}"}} {count}')
-    lines += _header("router_requests_total", "counter", "Requests routed, by replica and reason.")
+    lines += metric_header("router_requests_total")
     for (replica, reason), count in sorted(fleet.routed.items()):
         labels = f'replica="{replica}",reason="{reason}"'
         lines.append(f"loopserve:router_requests_total{{{labels}}} {count}")
@@ -88,7 +79,7 @@ def render_fleet(fleet: Fleet) -> str:
 
 def _finished(reports: Sequence[ReplicaReport]) -> list[str]:
     name = "requests_finished_total"
-    lines = _header(name, "counter", "Requests finished, by finish reason.")
+    lines = metric_header(name)
     reasons = sorted({reason for report in reports for reason in report.finished})
     for reason in reasons:
         total = sum(report.finished.get(reason, 0) for report in reports)
@@ -98,7 +89,3 @@ def _finished(reports: Sequence[ReplicaReport]) -> list[str]:
             labels = f'finish_reason="{reason}",replica="{report.replica}"'
             lines.append(f"loopserve:{name}{{{labels}}} {count}")
     return lines
-
-
-def _header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP loopserve:{name} {help_text}", f"# TYPE loopserve:{name} {kind}"]

@@ -24,7 +24,7 @@ from loopserve.entrypoints.openai.engine_thread import (
     EngineThread,
 )
 from loopserve.entrypoints.openai.errors import OpenAIError
-from loopserve.entrypoints.openai.metrics import Histogram, ServerMetrics
+from loopserve.entrypoints.openai.metrics import Histogram, ServerMetrics, metric_header
 from loopserve.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -235,9 +235,12 @@ def test_histogram_and_metrics_render_prometheus_text() -> None:
     histogram = Histogram((1.0, 2.0))
     for value in (0.5, 1.5, 1.5, 7.0):
         histogram.observe(value)
-    lines = histogram.render("x", "help")
-    assert 'x_bucket{le="1"} 1' in lines and 'x_bucket{le="2"} 3' in lines
-    assert 'x_bucket{le="+Inf"} 4' in lines and "x_count 4" in lines and "x_sum 10.5" in lines
+    lines = histogram.render("exit_depth")
+    assert lines[:2] == metric_header("exit_depth")
+    x = "loopserve:exit_depth"
+    assert f'{x}_bucket{{le="1"}} 1' in lines and f'{x}_bucket{{le="2"}} 3' in lines
+    assert f'{x}_bucket{{le="+Inf"}} 4' in lines and f"{x}_count 4" in lines
+    assert f"{x}_sum 10.5" in lines
     metrics = ServerMetrics(num_loops=4)
     metrics.observe([(_output("r", 1, "a"), 1), (_output("r", 3, "abc", finished=True), 2)])
     rendered = metrics.render(FakeEngine().stats())

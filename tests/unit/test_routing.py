@@ -150,3 +150,30 @@ def test_serve_replicas_without_ray_says_what_to_install(
     assert main(["serve", "--replicas", "2"]) == 2
     error = capsys.readouterr().err
     assert "--replicas" in error and "pip install 'loopserve[ray]'" in error
+
+
+def test_the_fleet_and_one_server_describe_shared_metrics_alike() -> None:
+    """Every HELP / TYPE pair of both `/metrics` comes from `metrics.METRICS`, once per metric,
+    so a metric both expose is described identically."""
+    from loopserve.engine.engine import EngineStats
+    from loopserve.entrypoints.openai.metrics import METRICS, ServerMetrics
+    from loopserve.ray.fleet_metrics import render_fleet
+
+    fleet = Fleet(2)
+    fleet.update(_report(0, running=2))
+    fleet.update(_report(1, running=1))
+    stats = EngineStats(**{name: 0 for name in EngineStats.__dataclass_fields__})
+    texts = (render_fleet(fleet), ServerMetrics(num_loops=4).render(stats))
+    described: list[set[str]] = []
+    for text in texts:
+        helps = [line for line in text.splitlines() if line.startswith("# HELP ")]
+        names = [line.split()[2].removeprefix("loopserve:") for line in helps]
+        assert len(names) == len(set(names))
+        for line, name in zip(helps, names, strict=True):
+            kind, help_text = METRICS[name]
+            assert line == f"# HELP loopserve:{name} {help_text}"
+            assert f"# TYPE loopserve:{name} {kind}" in text
+        described.append(set(names))
+    fleet_names, server_names = described
+    assert {"num_requests_running", "requests_finished_total"} <= fleet_names & server_names
+    assert "loopserve:num_requests_running 3" in texts[0]

@@ -46,8 +46,10 @@ class Histogram:
                 self.counts[index] += 1
                 return
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    def render(self, metric: str) -> list[str]:
+        """`loopserve:{metric}` (a histogram of `METRICS`) in the text format."""
+        name = f"loopserve:{metric}"
+        lines = metric_header(metric)
         cumulative = 0
         for bound, count in zip(self.bounds, self.counts, strict=True):
             cumulative += count
@@ -56,6 +58,54 @@ class Histogram:
         lines.append(f"{name}_sum {prometheus_number(self.total)}")
         lines.append(f"{name}_count {self.count}")
         return lines
+
+
+# Every metric's kind and help text by name (after the `loopserve:` prefix): the one place for
+# the server's `/metrics` and the Ray fleet ingress's (`ray.fleet_metrics`), which share names.
+METRICS: dict[str, tuple[str, str]] = {
+    "num_requests_running": ("gauge", "Requests in the running batch."),
+    "num_requests_waiting": ("gauge", "Requests waiting to be admitted."),
+    "kv_pages_used": ("gauge", "KV cache pages in use."),
+    "kv_pages_free": ("gauge", "KV cache pages free."),
+    "kv_pages_total": ("gauge", "Usable KV cache pages."),
+    "kv_pages_cached": ("gauge", "Free KV pages still holding a cached prompt block."),
+    "kv_cache_usage": ("gauge", "KV pages in use / usable KV pages."),
+    "prefix_cache_hit_rate": (
+        "gauge", "Prompt tokens found in the prefix cache / prompt tokens."),
+    "mean_exit_depth": ("gauge", "Mean loops run per generated token."),
+    "prompt_tokens_total": ("counter", "Prompt tokens prefilled."),
+    "generation_tokens_total": ("counter", "Tokens generated."),
+    "engine_steps_total": ("counter", "Engine steps run."),
+    "num_preemptions_total": (
+        "counter", "Requests preempted (KV swapped to host memory, or dropped to be recomputed)."),
+    "recomputed_tokens_total": (
+        "counter", "Positions prefilled again after recompute preemptions."),
+    "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache."),
+    "spec_decode_num_draft_tokens_total": (
+        "counter", "Speculation: proposed tokens that got a decode row."),
+    "spec_decode_num_accepted_tokens_total": (
+        "counter", "Speculation: proposed tokens found equal to the final token."),
+    "spec_decode_num_drafts_total": (
+        "counter",
+        "Speculation: chains of proposals (1 + accepted / drafts is the mean accepted length)."),
+    "requests_finished_total": ("counter", "Requests finished, by finish reason."),
+    "time_to_first_token_seconds": ("histogram", "Arrival to first token."),
+    "time_per_output_token_seconds": (
+        "histogram", "Mean time per output token after the first, per finished request."),
+    "e2e_request_latency_seconds": (
+        "histogram", "Arrival to finish of requests that were not aborted."),
+    "exit_depth": ("histogram", "Loops run by each generated token."),
+    "replica_up": ("gauge", "1 while the ingress routes to the replica."),
+    "requests_in_flight": ("gauge", "Requests the ingress has on the replica."),
+    "router_requests_total": ("counter", "Requests routed, by replica and reason."),
+}  # fmt: skip
+
+
+def metric_header(name: str) -> list[str]:
+    """The HELP and TYPE lines of `loopserve:{name}` (a name of `METRICS`)."""
+    kind, help_text = METRICS[name]
+    return [f"# HELP loopserve:{name} {help_text}", f"# TYPE loopserve:{name} {kind}"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,72 +158,45 @@ class ServerMetrics:
 
     def render(self, stats: EngineStats) -> str:
         """The Prometheus text exposition of these metrics and an engine stats snapshot."""
-        gauges = [
-            ("num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be admitted.", stats.num_waiting),
-            ("kv_pages_used", "KV cache pages in use.", stats.kv_pages_used),
-            ("kv_pages_free", "KV cache pages free.", stats.kv_pages_free),
-            ("kv_pages_total", "Usable KV cache pages.", stats.kv_pages_total),
-            ("kv_pages_cached", "Free KV pages still holding a cached prompt block.",
-             stats.kv_pages_cached),
-            ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens.",
-             stats.prefix_cache_hit_rate),
-        ]  # fmt: skip
-        counters = [
-            ("prompt_tokens_total", "Prompt tokens prefilled.", stats.prefill_tokens),
-            ("generation_tokens_total", "Tokens generated.", stats.generated_tokens),
-            ("engine_steps_total", "Engine steps run.", stats.steps),
-            ("num_preemptions_total",
-             "Requests preempted (KV swapped to host memory, or dropped to be recomputed).",
-             stats.num_preemptions),
-            ("recomputed_tokens_total", "Positions prefilled again after recompute preemptions.",
-             stats.recomputed_tokens),
-            ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-             stats.prefix_query_tokens),
-            ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
-             stats.prefix_hit_tokens),
-            ("spec_decode_num_draft_tokens_total",
-             "Speculation: proposed tokens that got a decode row.", stats.proposed_tokens),
-            ("spec_decode_num_accepted_tokens_total",
-             "Speculation: proposed tokens found equal to the final token.",
-             stats.confirmed_tokens),
-            ("spec_decode_num_drafts_total",
-             "Speculation: chains of proposals (1 + accepted / drafts is the mean accepted "
-             "length).", stats.speculative_drafts),
-        ]  # fmt: skip
+        samples = {
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "kv_pages_used": stats.kv_pages_used,
+            "kv_pages_free": stats.kv_pages_free,
+            "kv_pages_total": stats.kv_pages_total,
+            "kv_pages_cached": stats.kv_pages_cached,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "prompt_tokens_total": stats.prefill_tokens,
+            "generation_tokens_total": stats.generated_tokens,
+            "engine_steps_total": stats.steps,
+            "num_preemptions_total": stats.num_preemptions,
+            "recomputed_tokens_total": stats.recomputed_tokens,
+            "prefix_cache_queries_total": stats.prefix_query_tokens,
+            "prefix_cache_hits_total": stats.prefix_hit_tokens,
+            "spec_decode_num_draft_tokens_total": stats.proposed_tokens,
+            "spec_decode_num_accepted_tokens_total": stats.confirmed_tokens,
+            "spec_decode_num_drafts_total": stats.speculative_drafts,
+        }
         lines: list[str] = []
-        for name, help_text, value in gauges:
-            lines += _sample(f"loopserve:{name}", "gauge", help_text, value)
-        for name, help_text, value in counters:
-            lines += _sample(f"loopserve:{name}", "counter", help_text, value)
+        for name, value in samples.items():
+            lines += [*metric_header(name), f"loopserve:{name} {prometheus_number(value)}"]
         with self._lock:
             lines += self._render_locked()
         return "\n".join(lines) + "\n"
 
     def _render_locked(self) -> list[str]:
-        name = "loopserve:requests_finished_total"
-        lines = [f"# HELP {name} Requests finished, by finish reason.", f"# TYPE {name} counter"]
+        lines = metric_header("requests_finished_total")
         for reason, count in self.finished.items():
-            lines.append(f'{name}{{finish_reason="{reason}"}} {count}')
-        histograms: Sequence[tuple[str, Histogram, str]] = (
-            ("time_to_first_token_seconds", self.time_to_first_token, "Arrival to first token."),
-            ("time_per_output_token_seconds", self.time_per_output_token,
-             "Mean time per output token after the first, per finished request."),
-            ("e2e_request_latency_seconds", self.e2e_latency,
-             "Arrival to finish of requests that were not aborted."),
-            ("exit_depth", self.exit_depth, "Loops run by each generated token."),
-        )  # fmt: skip
-        for metric, histogram, help_text in histograms:
-            lines += histogram.render(f"loopserve:{metric}", help_text)
+            lines.append(f'loopserve:requests_finished_total{{finish_reason="{reason}"}} {count}')
+        histograms: Sequence[tuple[str, Histogram]] = (
+            ("time_to_first_token_seconds", self.time_to_first_token),
+            ("time_per_output_token_seconds", self.time_per_output_token),
+            ("e2e_request_latency_seconds", self.e2e_latency),
+            ("exit_depth", self.exit_depth),
+        )
+        for metric, histogram in histograms:
+            lines += histogram.render(metric)
         return lines
-
-
-def _sample(name: str, kind: str, help_text: str, value: float) -> list[str]:
-    return [
-        f"# HELP {name} {help_text}",
-        f"# TYPE {name} {kind}",
-        f"{name} {prometheus_number(value)}",
-    ]
 
 
 def prometheus_number(value: float) -> str:
