@@ -128,15 +128,15 @@ class LoopedConfig:
     def __post_init__(self) -> None:
         validate_common(self)
 
-    def resolve_exit_criterion(self, name: str) -> str:
-        """The exit criterion an engine runs: `name`, or (empty) the family's default."""
+    def resolve_exit_criterion(self, name: str, setting: str = "exit_criterion") -> str:
+        """The exit criterion an engine runs: `name`, or (empty) the family's default. An error
+        names the setting as `setting` says (the engine passes its flag too)."""
         if not name:
             return self.exit_criteria[0] if self.exit_criteria else ""
         if name not in self.exit_criteria:
             offered = ", ".join(self.exit_criteria) or "none: it has no exit rule"
             raise ConfigError(
-                f"exit_criterion {name!r} is not one of {self.family or 'this family'}'s "
-                f"({offered})"
+                f"{setting} {name!r} is not one of {self.family or 'this family'}'s ({offered})"
             )
         return name
 

@@ -223,6 +223,17 @@ def _pages_for_one_request(config: EngineConfig, model_config: LoopedConfig, len
     return config.scheduler.kv_layout.pages_needed(model_config.num_loops, length, length, block)
 
 
+def check_max_model_len(config: EngineConfig, model_config: LoopedConfig) -> None:
+    """Refuse a configured max_model_len beyond the model's positions (setup checks it from
+    config.json before the weights load; the budget again after)."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(
+            f"{option_name('max_model_len')} {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({limit}); pass at most {limit}, or leave it unset"
+        )
+
+
 def resolve_max_model_len(config: EngineConfig, model_config: LoopedConfig, num_pages: int) -> int:
     """`max_model_len`: the configured one (checked against the cache) or the longest that fits.
 
@@ -232,11 +243,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: LoopedConfig, num_
     """
     model_limit = model_config.max_position_embeddings
     if config.max_model_len is not None:
-        if config.max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({model_limit})"
-            )
+        check_max_model_len(config, model_config)
         if config.num_kv_pages is None:
             check_one_request_fits(config, model_config, num_pages, config.max_model_len)
         return config.max_model_len

@@ -39,6 +39,7 @@ from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.runner.decode_slots import MAX_STOP_TOKEN_IDS
 from loopserve.runner.decode_step import DecodeStep
 from loopserve.runner.kv_budget import (
+    check_max_model_len,
     check_slot_state,
     check_swap_space,
     num_kv_pages,
@@ -129,19 +130,13 @@ def read_checked_model_config(config: EngineConfig, model_dir: Path) -> LoopedCo
     that refuses its config would only fail, and be restarted, inside Ray)."""
     model_config = read_model_config(model_dir / "config.json")
     scheduler = config.scheduler
-    model_config.resolve_exit_criterion(scheduler.exit_criterion)
+    model_config.resolve_exit_criterion(scheduler.exit_criterion, option_name("exit_criterion"))
     _check_speculation(config, model_config)
     if scheduler.exit_mode is ExitMode.TRACE:  # the engine says the same, after the weights
         resolve_distribution(
             scheduler.trace_distribution, model_config.family, model_config.num_loops
         )
-    limit = model_config.max_position_embeddings
-    # kv_budget says the same after the weights; config.json alone can say it before them.
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's "
-            f"max_position_embeddings ({limit})"
-        )
+    check_max_model_len(config, model_config)  # from config.json, before the weights load
     return model_config
 
 
@@ -163,7 +158,9 @@ def build_runner(config: EngineConfig, model: LoopedForCausalLM | None = None) -
             "(its prelude and coda layers' K/V are not replayed); use preemption_mode swap"
         )
     _check_speculation(config, model_config)
-    model.exit_criterion = model_config.resolve_exit_criterion(scheduler.exit_criterion)
+    model.exit_criterion = model_config.resolve_exit_criterion(
+        scheduler.exit_criterion, option_name("exit_criterion")
+    )
     kv_dtype = special_cache_dtype(config.kv_cache_dtype) or model.dtype
     bytes_per_page = KVStorage.bytes_per_page(
         model.num_kv_layers,

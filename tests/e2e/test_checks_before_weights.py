@@ -31,8 +31,18 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_max_model_len_past_the_model_is_refused_before_the_weights(
     tiny_checkpoint: Path,
 ) -> None:
-    with pytest.raises(ValueError, match=r"^max_model_len 4096 exceeds the model's "):
+    with pytest.raises(
+        ValueError, match=r"^max_model_len \(--max-model-len\) 4096 exceeds the model's "
+    ):
         LLM(str(tiny_checkpoint), max_model_len=4096, num_kv_pages=64)
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_an_exit_criterion_of_another_family_is_refused_by_its_flag(
+    tiny_checkpoint: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"^exit_criterion \(--exit-criterion\) 'kl' is not one"):
+        LLM(str(tiny_checkpoint), exit_criterion="kl")
 
 
 @pytest.mark.usefixtures("no_weights")
