@@ -24,24 +24,22 @@ preempted.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 
 from loopserve.config import PreemptionMode, SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.engine.page_budget import PageBudget
 from loopserve.engine.prefix_cache import block_hashes
+from loopserve.engine.request_slots import RequestSlots
 from loopserve.engine.scheduler_output import (
-    DecodeResult,
     PageMove,
     PageTableUpdate,
     PrefillChunk,
     RunnerOutput,
-    SampledToken,
     SchedulerOutput,
-    SlotStart,
 )
 from loopserve.engine.stats import SchedulerStats
+from loopserve.engine.step_results import apply_results
 from loopserve.kv.layout import KVLayout
 from loopserve.request import Request, RequestStatus
 from loopserve.sampling_params import SamplingInfo
@@ -72,11 +70,7 @@ class Scheduler:
         self._running_by_id: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._arrivals = itertools.count()
-        self._free_slots = list(range(config.max_num_seqs))  # a heap: lowest slot first
-        self._decoding: dict[int, str] = {}  # slot -> request id, for slots live in the step
-        self._starts: list[SlotStart] = []
-        self._stops: list[int] = []
-        self._pending_clears: list[int] = []
+        self.slots = RequestSlots(config.max_num_seqs)
         self._swap_out: list[PageMove] = []
         self._dropped_swaps: list[str] = []
         self._pinned_swap_pages = pinned_swap_pages
@@ -120,7 +114,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        self._leave_slot(request, self._pending_clears)
+        self._leave_slot(request, self.slots.pending_clears)
 
     def stop_at(self, request: Request, num_outputs: int, stop_reason: str) -> None:
         """A stop string ended the request at output `num_outputs`: outputs after it (a
@@ -142,20 +136,7 @@ class Scheduler:
         self.running.remove(request)
         del self._running_by_id[request.request_id]
         self.kv.free(request.request_id)
-        slot = request.slot
-        assert slot is not None
-        if self._decoding.get(slot) == request.request_id:
-            del self._decoding[slot]
-            self._starts = [start for start in self._starts if start.slot != slot]
-            self._stops.append(slot)
-        heapq.heappush(self._free_slots, slot)
-        clears.append(slot)
-        request.slot = None
-
-    @property
-    def decode_slots(self) -> dict[int, str]:
-        """Slot -> request id of every request whose token is in the decode step."""
-        return dict(self._decoding)
+        self.slots.release(request, clears)
 
     @property
     def speculating(self) -> bool:
@@ -176,7 +157,7 @@ class Scheduler:
             return True
         if (
             self.waiting
-            and self._free_slots
+            and self.slots.any_free
             and self._admission_cost(self._next_waiting()) is not None
         ):
             return True
@@ -188,7 +169,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.stats.steps += 1
         output = SchedulerOutput(step=self.stats.steps)
-        output.cleared_slots, self._pending_clears = self._pending_clears, []
+        output.cleared_slots, self.slots.pending_clears = self.slots.pending_clears, []
         self._switch_speculation(output)
         for request in self._by_rank(self.running):
             if request.status is RequestStatus.RUNNING and request.is_decoding:
@@ -197,7 +178,7 @@ class Scheduler:
         for request in self._by_rank(self.running):
             if request.status is RequestStatus.RUNNING and request.is_prefilling and budget > 0:
                 budget -= self._schedule_chunk(request, budget, output)
-        while self.waiting and self._free_slots and budget > 0:
+        while self.waiting and self.slots.any_free and budget > 0:
             request = self._next_waiting()
             if not self._admit(request, output):
                 break  # strict order: a large request is not starved by smaller ones behind it
@@ -207,9 +188,7 @@ class Scheduler:
                 budget -= self._schedule_chunk(request, budget, output, may_preempt=False)
         output.swap_out, self._swap_out = self._swap_out, []
         output.dropped_swaps, self._dropped_swaps = self._dropped_swaps, []
-        output.slot_stops, self._stops = self._stops, []
-        output.slot_starts, self._starts = self._starts, []
-        output.decode_slots = self.decode_slots
+        self.slots.hand_over(output)
         return output
 
     def _speculation_wanted(self) -> bool:
@@ -232,12 +211,7 @@ class Scheduler:
         self._speculating = wanted
         output.switched = True
         self.stats.speculation_switches += 1
-        self._stops = []  # the other step is emptied whole
-        decoding = [r for r in self.running if r.slot is not None and r.slot in self._decoding]
-        restarted = {request.slot for request in decoding}
-        self._starts = [start for start in self._starts if start.slot not in restarted]
-        for request in decoding:
-            self._start_slot(request)
+        self.slots.restart([r for r in self.running if self.slots.is_decoding(r.slot)])
 
     def _by_rank(self, requests: list[Request]) -> list[Request]:
         """Most important first: urgent (passed over too often), then priority, then arrival."""
@@ -330,7 +304,7 @@ class Scheduler:
         for other in self.waiting:
             if other.arrival_index < request.arrival_index:
                 other.times_bypassed += 1
-        request.slot = heapq.heappop(self._free_slots)
+        request.slot = self.slots.take()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._running_by_id[request.request_id] = request
@@ -397,106 +371,15 @@ class Scheduler:
             for plane in self.layout.prompt_only_planes(request.params.max_loops):
                 self.kv.release_plane(request.request_id, plane)
             self._grow(request, self.pages.decode_targets(request), output)
-            self._start_slot(request)
+            self.slots.start(request)
 
     # ----- results -------------------------------------------------------------------------
+
+    def running_request(self, request_id: str | None) -> Request | None:
+        """The running request of that id (None: not running, or finished meanwhile)."""
+        return self._running_by_id.get(request_id) if request_id is not None else None
 
     def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
         """Apply a step's results; returns the requests that gained tokens or finished, each
         with its number of new tokens (more than one only where requests speculate)."""
-        changed: list[tuple[Request, int]] = []
-        for chunk, token in zip(scheduled.prefill_chunks, result.prefill_tokens, strict=True):
-            request = self._running_by_id.get(chunk.request_id)
-            if request is None:
-                continue  # aborted while its chunk ran
-            self._chunk_done(request, len(chunk.token_ids))
-            if chunk.completes_replay:  # K/V recomputed: its in-flight token restarts at loop 1
-                request.num_replay_tokens = 0
-                request.num_computed_tokens = request.num_prompt_tokens
-                self._start_slot(request)
-            if not chunk.completes_prompt:
-                continue
-            assert token is not None
-            for plane in self.layout.prompt_only_planes(request.params.max_loops):
-                self.kv.release_plane(request.request_id, plane)
-            self._append_token(request, token, depth=chunk.num_loops)
-            if not request.finished:
-                self._start_slot(request)
-            changed.append((request, 1))
-        if result.decode is not None:
-            self._apply_decode(scheduled, result.decode, changed)
-        return changed
-
-    def _chunk_done(self, request: Request, size: int) -> None:
-        """Count a computed chunk and offer its full prompt blocks to the prefix cache."""
-        block = self.config.block_size
-        first = request.num_computed_tokens // block
-        request.num_computed_tokens += size
-        for index in range(first, request.num_computed_tokens // block):
-            if index < len(request.block_hashes):
-                for plane in range(request.params.max_loops):
-                    self.kv.register(request.request_id, plane, index, request.block_hashes[index])
-
-    def _start_slot(self, request: Request) -> None:
-        assert request.slot is not None
-        self._starts.append(
-            SlotStart(
-                slot=request.slot,
-                token=request.output_token_ids[-1],
-                position=request.position,
-                num_output_tokens=request.num_output_tokens,
-                params=request.params,
-            )
-        )
-        self._decoding[request.slot] = request.request_id
-
-    def _apply_decode(
-        self, scheduled: SchedulerOutput, result: DecodeResult, changed: list[tuple[Request, int]]
-    ) -> None:
-        """Record what the decode step did (a step after it did it, when asynchronous)."""
-        ran = sum(result.ran)
-        if ran:
-            self.stats.decode_steps += 1
-            self.stats.rows_per_step[ran] += 1
-            self.stats.row_loops.update(
-                loop for loop, did in zip(result.loops, result.ran, strict=True) if did
-            )
-        self.stats.proposed_tokens += result.proposed
-        self.stats.confirmed_tokens += result.confirmed
-        for slot, tokens in enumerate(result.tokens):
-            request_id = scheduled.decode_slots.get(slot)
-            request = self._running_by_id.get(request_id) if request_id is not None else None
-            if not tokens or request is None:
-                continue  # finished meanwhile (stop string, abort): its extra tokens are dropped
-            for token, depth in zip(tokens, result.depths[slot], strict=True):
-                if request.finished:
-                    raise RuntimeError(
-                        f"the decode step gave {request.request_id!r} a token after its last"
-                    )
-                self._append_token(request, token, depth)
-            if result.stopped[slot] != request.finished:
-                raise RuntimeError(
-                    f"the decode step and the scheduler disagree on whether "
-                    f"{request.request_id!r} stopped"
-                )
-            changed.append((request, len(tokens)))
-            if scheduled.speculate:
-                self.stats.speculative_tokens += len(tokens)
-
-    def _append_token(self, request: Request, sampled: SampledToken, depth: int) -> None:
-        """Record a generated token and finish the request if it ends it. The decode step applies
-        the same stop rule on the device (stop_token_ids, eos ids, max_tokens) to stop its slot
-        without a host round trip; `_apply_decode` checks that the two agree."""
-        request.output_token_ids.append(sampled.token_id)
-        request.exit_depths.append(depth)
-        if sampled.logprobs is not None:
-            request.logprobs.append(sampled.logprobs)
-        self.stats.generated_tokens += 1
-        params = request.params
-        token = sampled.token_id
-        if token in params.eos_token_ids:
-            self.finish(request, "stop")
-        elif token in params.params.stop_token_ids:
-            self.finish(request, "stop", stop_reason=token)
-        elif request.num_output_tokens >= params.params.max_tokens:
-            self.finish(request, "length")
+        return apply_results(self, scheduled, result)

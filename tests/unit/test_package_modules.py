@@ -40,7 +40,8 @@ MODULES: dict[str, set[str]] = {
     "depth": {"__init__", "exit_test", "policy", "trace"},
     "engine": {
         "__init__", "constraints", "detokenizer", "end_of_sequence", "engine", "kv_manager",
-        "page_budget", "prefix_cache", "runner_api", "scheduler", "scheduler_output", "stats",
+        "page_budget", "prefix_cache", "request_slots", "runner_api", "scheduler",
+        "scheduler_output", "stats", "step_results",
     },
     "entrypoints": {"__init__", "chat_prompts", "llm", "reasoning", "tool_calls"},
     "entrypoints/cli": {
@@ -59,8 +60,8 @@ MODULES: dict[str, set[str]] = {
     },
     "kernels": {
         "__init__", "availability", "decode_plan", "decode_row", "decode_state", "decode_tiles",
-        "fused_ops", "kv_copy", "kv_write", "lanes_state", "matmul", "noise", "paged_decode",
-        "paged_prefill", "sampling",
+        "fused_ops", "gemv", "kv_copy", "kv_write", "lanes_state", "matmul", "noise",
+        "paged_decode", "paged_prefill", "sampling",
     },
     "kv": {"__init__", "layout", "metadata", "pages", "storage", "transfer"},
     "models": {
