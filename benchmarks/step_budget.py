@@ -84,7 +84,7 @@ def budget_record(
 ) -> dict[str, object]:
     engine, timed = steady_engine(concurrency, 0.0, model_dir, max_model_len)
     runner = timed.runner
-    slots = list(engine.scheduler.decode_slots)
+    slots = list(engine.scheduler.slots.decoding)
     rows, kind = max(slots) + 1, runner.decode.sampling_kind(slots)
     context = int(runner.decode.position[:rows].float().mean().item())
     budget = profile_step(runner, rows, kind)

@@ -80,7 +80,7 @@ def _in_use(runner: ModelRunner) -> tuple[DecodeStep, GraphedDecodeStep | None]:
 
 
 def _decode_rows(engine: Engine, runner: ModelRunner) -> tuple[int, SamplingKind]:
-    slots = list(engine.scheduler.decode_slots)
+    slots = list(engine.scheduler.slots.decoding)
     return max(slots) + 1, _in_use(runner)[0].sampling_kind(slots)
 
 

@@ -29,6 +29,7 @@ from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from loopserve.entrypoints.openai.limits import RETRY_AFTER_S, ConcurrencyLimitMiddleware
 from loopserve.entrypoints.openai.metrics import CONTENT_TYPE
+from loopserve.entrypoints.openai.paths import route_path
 from loopserve.ray.fleet import Fleet, ReplicaReport
 from loopserve.ray.fleet_metrics import render_fleet
 from loopserve.ray.forwarding import ForwardedRequest
@@ -99,7 +100,7 @@ class Ingress:
 
     async def generate(self, request: Request) -> Response:
         body = await read_body(request, self._config.max_request_bytes)
-        key = await asyncio.to_thread(self._keys.key, request.url.path, body)
+        key = await asyncio.to_thread(self._keys.key, route_path(request.scope), body)
         return self._forward(request, body, key)
 
     def forward_to_any(self, request: Request) -> Response:
@@ -119,8 +120,10 @@ class Ingress:
         except NoHealthyReplicaError:
             raise _unavailable() from None
         headers = [item for item in request.scope["headers"] if item[0] not in _DROPPED_HEADERS]
+        # The replica's app is mounted at "/": it gets the path below the ingress's prefix.
+        path = route_path(request.scope)
         forwarded = ForwardedRequest(
-            request.method, request.url.path, request.scope["query_string"], headers, body
+            request.method, path, request.scope["query_string"], headers, body
         )
         parts = self._streams[decision.replica].forward.remote(forwarded)
         self._fleet.begin(decision)

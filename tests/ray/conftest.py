@@ -47,9 +47,12 @@ def serve_port() -> Iterator[int]:
 
 
 @contextmanager
-def running_fleet(port: int, engine_options: dict[str, Any]) -> Iterator[RunningServer]:
-    """`NUM_REPLICAS` replicas with `engine_options` behind the ingress on `port`, until the
-    block ends (then the application is deleted: its replicas drain and stop)."""
+def running_fleet(
+    port: int, engine_options: dict[str, Any], route_prefix: str = "/"
+) -> Iterator[RunningServer]:
+    """`NUM_REPLICAS` replicas with `engine_options` behind the ingress on `port` at
+    `route_prefix`, until the block ends (then the application is deleted: its replicas drain
+    and stop)."""
     from ray import serve
 
     from loopserve.config import EngineConfig
@@ -68,9 +71,9 @@ def running_fleet(port: int, engine_options: dict[str, Any]) -> Iterator[Running
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
         },
     )
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    serve.run(app, name=APP_NAME, route_prefix=route_prefix)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", API_KEY)
+        yield RunningServer(f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", API_KEY)
     finally:
         serve.delete(APP_NAME)
 

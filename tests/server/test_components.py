@@ -331,3 +331,46 @@ def test_the_model_card_says_where_fp8_kv_scales_came_from() -> None:
     )
     info = ModelInfo.of(Engine(config))
     assert (info.kv_cache_dtype, info.kv_cache_scales) == ("float8_e4m3fn", "calculated")
+
+
+def test_path_rules_hold_below_a_mount_point() -> None:
+    """Mounted under a prefix (Ray Serve's route_prefix, a proxy's root path), the key check and
+    the concurrency limit pick requests by the path below it, as Starlette routes them."""
+    from loopserve.entrypoints.openai.app import GENERATION_PATHS
+    from loopserve.entrypoints.openai.auth import ApiKeyMiddleware
+    from loopserve.entrypoints.openai.limits import ConcurrencyLimitMiddleware
+    from loopserve.entrypoints.openai.paths import route_path
+
+    assert route_path({"path": "/api/v1/models", "root_path": "/api"}) == "/v1/models"
+    assert route_path({"path": "/api", "root_path": "/api"}) == "/"
+    assert route_path({"path": "/v1/models", "root_path": "/api"}) == "/v1/models"  # stripped
+    assert route_path({"path": "/v1/models"}) == "/v1/models"
+
+    reached: list[str] = []
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    def status(app: Any, path: str) -> int:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "/api",
+                 "headers": [], "query_string": b""}  # fmt: skip
+        asyncio.run(app(scope, receive, send))
+        return int(sent[0]["status"])
+
+    guarded = ApiKeyMiddleware(inner, api_key="k")
+    assert status(guarded, "/api/health") == 200
+    assert status(guarded, "/api/v1/models") == 401
+    limited = ConcurrencyLimitMiddleware(inner, limit=0, paths=GENERATION_PATHS)
+    assert status(limited, "/api/v1/completions") == 429
+    assert status(limited, "/api/v1/models") == 200
+    assert reached == ["/api/health", "/api/v1/models"]

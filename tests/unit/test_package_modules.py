@@ -51,7 +51,7 @@ MODULES: dict[str, set[str]] = {
     "entrypoints/openai": {
         "__init__", "app", "auth", "body", "chat_template", "choice_state", "config", "constraints",
         "context", "engine_thread", "errors", "generation", "limits", "logprobs", "metrics",
-        "prompts", "protocol", "responses", "server", "serving", "serving_chat",
+        "paths", "prompts", "protocol", "responses", "server", "serving", "serving_chat",
         "serving_completions", "streaming",
     },
     "eval": {

@@ -11,6 +11,7 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loopserve.entrypoints.openai.errors import OpenAIError
+from loopserve.entrypoints.openai.paths import route_path
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -21,7 +22,7 @@ class ApiKeyMiddleware:
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["path"] not in OPEN_PATHS
+        guarded = scope["type"] == "http" and route_path(scope) not in OPEN_PATHS
         if guarded and not self._authorized(scope):
             error = OpenAIError(
                 401,

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
+from loopserve.entrypoints.openai.paths import route_path
 from loopserve.tokenizer import Tokenizer
 
 # Seconds a client told 429 should wait before it retries.
@@ -34,7 +35,7 @@ class ConcurrencyLimitMiddleware:
         self.in_flight = 0  # touched only on the event loop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
