@@ -68,6 +68,18 @@ class SpeculativeConfig:
                 f"null), got {forced!r}"
             )
 
+    def speculates_with(self, decoding: int, speculating: bool) -> bool:
+        """Whether a step with `decoding` requests decoding speculates, given whether the last
+        step did. Off above `disable_by_batch_size`; once off, on again only at a quarter of it
+        fewer (rounded down: no margin below 4), since every switch starts each decoding token
+        again at loop 1 and a batch that hovers at the limit would switch at every arrival and
+        finish (72 switches for 60 requests at 9 in flight over a limit of 8, the built-in model
+        on the CPU; docs/speculation.md)."""
+        limit = self.disable_by_batch_size
+        if limit is None:
+            return True
+        return decoding <= (limit if speculating else limit - limit // 4)
+
     def check_model(self, num_loops: int, family: str, num_stage_layers: int) -> None:
         """Refuse a model it cannot serve exactly."""
         if num_stage_layers:

@@ -192,12 +192,12 @@ class Scheduler:
         return output
 
     def _speculation_wanted(self) -> bool:
-        """Speculate while at most `disable_by_batch_size` requests decode."""
+        """Speculate while few enough requests decode (`SpeculativeConfig.speculates_with`)."""
         speculative = self.config.speculative_config
         if speculative is None:
             return False
-        limit = speculative.disable_by_batch_size
-        return limit is None or sum(r.is_decoding for r in self.running) <= limit
+        decoding = sum(r.is_decoding for r in self.running)
+        return speculative.speculates_with(decoding, self._speculating)
 
     def _switch_speculation(self, output: SchedulerOutput) -> None:
         """Turn speculation on or off for this step and later ones. A switch empties the other

@@ -105,3 +105,18 @@ def test_the_flag_takes_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "def f(" in capsys.readouterr().out
     assert main([*argv[:-1], "{bad", "--num-kv-pages", "128"]) == 2
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_speculation_switches_off_above_the_limit_and_back_on_a_quarter_below() -> None:
+    """`SpeculativeConfig.speculates_with`: off above `disable_by_batch_size`; once off, on again
+    at `limit - limit // 4` (no margin below 4); never off without a limit."""
+    config = SpeculativeConfig(disable_by_batch_size=8)
+    speculating = True
+    decisions = []
+    for decoding in (8, 9, 8, 7, 6, 8, 9, 1):
+        speculating = config.speculates_with(decoding, speculating)
+        decisions.append(speculating)
+    assert decisions == [True, False, False, False, True, True, False, True]
+    small = SpeculativeConfig(disable_by_batch_size=2)
+    assert small.speculates_with(2, speculating=False) and not small.speculates_with(3, True)
+    assert SpeculativeConfig(disable_by_batch_size=None).speculates_with(10_000, False)
