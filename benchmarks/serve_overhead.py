@@ -146,6 +146,7 @@ class Server:
             "--exit-mode", "trace", "--max-num-seqs", str(args.concurrency),
             "--max-concurrent-requests", "4096", "--uvicorn-log-level", "warning",
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            *(["--engine-process"] if args.engine_process else []),
         ]  # fmt: skip
         env = dict(os.environ)
         if args.threads is not None:
@@ -216,19 +217,21 @@ def serve_run(
         thread_cpu_s(pid),
         children_cpu_s(),
     )
-    engine_tid = int(steps_before["thread"])  # known since the untimed wave
-    waited = runqueue_wait_s(pid, engine_tid)
+    # Known since the untimed wave; none in this process with --engine-process (the engine's
+    # process is spawned afresh and its steps are not timed: only tok/s and the loop's CPU).
+    engine_tid = int(steps_before["thread"]) or None
+    waited = runqueue_wait_s(pid, engine_tid) if engine_tid else 0.0
     summary = bench_serve(args, server.url, 2 * args.concurrency, args.output_len, seed, extra)
     client = children_cpu_s() - client_before
     threads = thread_cpu_s(pid)
-    waited = runqueue_wait_s(pid, engine_tid) - waited
+    waited = (runqueue_wait_s(pid, engine_tid) - waited) if engine_tid else 0.0
     time.sleep(1.0)
     steps_after = server.steps()
     tokens = summary["total_output_tokens"]
     per_token = {
         tid: (cpu - threads_before.get(tid, 0.0)) / tokens * 1e6 for tid, cpu in threads.items()
     }
-    engine = per_token.pop(engine_tid, 0.0)
+    engine = per_token.pop(engine_tid, 0.0) if engine_tid else 0.0
     loop = per_token.pop(pid, 0.0)
     return {
         "run": "serve",
@@ -300,14 +303,16 @@ class Offline:
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians of the runs of each kind, and served over offline tokens/s."""
 
-    def median(run: str, key: str) -> float:
-        return round(statistics.median(r[key] for r in records if r["run"] == run), 4)
+    def median(run: str, key: str) -> float | None:
+        values = [r[key] for r in records if r["run"] == run and r[key] is not None]
+        return round(statistics.median(values), 4) if values else None  # untimed: --engine-process
 
-    served, offline = median("serve", "output_tok_s"), median("offline", "output_tok_s")
+    served = statistics.median(r["output_tok_s"] for r in records if r["run"] == "serve")
+    offline = statistics.median(r["output_tok_s"] for r in records if r["run"] == "offline")
     return {
         "run": "summary",
-        "offline_tok_s": offline,
-        "serve_tok_s": served,
+        "offline_tok_s": round(offline, 4),
+        "serve_tok_s": round(served, 4),
         "serve_over_offline": round(served / offline, 4),
         "offline_engine_off_cpu": median("offline", "engine_off_cpu"),
         "serve_engine_off_cpu": median("serve", "engine_off_cpu"),
@@ -328,6 +333,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="of offline, serve, serve, offline")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument(
+        "--engine-process", action="store_true", help="serve with --engine-process (steps untimed)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also append the lines here")
     args = parser.parse_args(argv)
     from loopserve.bench.sweep_spec import Workload

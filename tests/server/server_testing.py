@@ -102,18 +102,22 @@ def serve_in_thread(
     model: Path, engine: dict[str, Any] | None = None, **server_options: Any
 ) -> Iterator[RunningServer]:
     """Run `loopserve serve` in-process on a free port until the block ends (`engine`: engine
-    options that replace `engine_options()`'s)."""
+    options that replace `engine_options()`'s; `engine_process=True`: the engine in a child
+    process, as `--engine-process`)."""
     import uvicorn
 
     from loopserve.config import EngineConfig
     from loopserve.engine.engine import Engine
     from loopserve.entrypoints.openai.app import build_app
     from loopserve.entrypoints.openai.config import ServerConfig
+    from loopserve.entrypoints.openai.engine_process import EngineChild
     from loopserve.entrypoints.openai.server import bind_socket, uvicorn_config
 
     config = ServerConfig(served_model_names=("tiny",), log_level="warning", **server_options)
     options = engine_options() | (engine or {})
-    app = build_app(Engine(EngineConfig.from_options(model=str(model), **options)), config)
+    engine_config = EngineConfig.from_options(model=str(model), **options)
+    built = EngineChild.spawn(engine_config) if config.engine_process else Engine(engine_config)
+    app = build_app(built, config)
     server = uvicorn.Server(uvicorn_config(app, config))
     sock = bind_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -18,12 +18,30 @@ import pytest
 from .server_testing import CLI
 
 
-def test_serve_prints_the_address_it_listens_on() -> None:
+def _engine_processes(parent: int) -> list[int]:
+    """Pids of `parent`'s children started by multiprocessing's spawn (an engine process)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline") as cmdline:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and "spawn_main" in cmdline.read():
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["engine-thread", "engine-process"])
+def test_serve_prints_the_address_it_listens_on(separate: bool) -> None:
+    """With `--engine-process` too, and then SIGTERM ends the engine process with the server."""
     command = [
         sys.executable, "-c", CLI, "serve", "--model", "ouro-tiny", "--port", "0",
         "--device", "cpu", "--num-kv-pages", "64", "--uvicorn-log-level", "warning",
+        *(["--engine-process"] if separate else []),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
     try:
         stdout = process.stdout
         assert stdout is not None
@@ -35,6 +53,8 @@ def test_serve_prints_the_address_it_listens_on() -> None:
         assert int(match[2]) != 0
         # Printed once the model has loaded: the address answers at once.
         assert httpx.get(match[1] + "/health", timeout=10).status_code == 200
+        children = _engine_processes(process.pid)
+        assert len(children) == int(separate)
     finally:
         process.terminate()
         try:
@@ -42,6 +62,10 @@ def test_serve_prints_the_address_it_listens_on() -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{pid}") for pid in children):
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.1)
 
 
 @pytest.mark.slow

@@ -50,9 +50,9 @@ MODULES: dict[str, set[str]] = {
     },
     "entrypoints/openai": {
         "__init__", "app", "auth", "body", "chat_template", "choice_state", "config", "constraints",
-        "context", "engine_thread", "errors", "generation", "limits", "logprobs", "metrics",
-        "paths", "prompts", "protocol", "responses", "server", "serving", "serving_chat",
-        "serving_completions", "streaming",
+        "context", "engine_process", "engine_thread", "errors", "generation", "limits", "logprobs",
+        "metrics", "output_deltas", "paths", "prompts", "protocol", "responses", "server",
+        "serving", "serving_chat", "serving_completions", "streaming",
     },
     "eval": {
         "__init__", "early_exit_perplexity", "fingerprint", "gsm8k", "gsm8k_baseline",

@@ -80,3 +80,10 @@ def test_a_bad_speculative_config_stops_before_ray_starts(
     error = capsys.readouterr().err
     assert error.startswith("loopserve serve: error: speculative_config (--speculative-config) ")
     assert re.search(message, error) and error.count("\n") == 1, error
+
+
+def test_replicas_refuse_an_engine_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--replicas", "2", "--engine-process"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("loopserve serve: error: --engine-process is for the single-process")
+    assert error.count("\n") == 1

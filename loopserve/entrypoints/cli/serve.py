@@ -95,6 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(hermes); auto: when the chat template writes <tool_call> (default: %(default)s)",
     )
     group.add_argument("--uvicorn-log-level", default=defaults.log_level)
+    group.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a process of its own, apart from the HTTP event loop (they no "
+        "longer share Python's interpreter lock; docs/server.md)",
+    )
     limits = parser.add_argument_group("request limits (a request over one gets a 4xx naming it)")
     for flag, (name, help_text) in LIMIT_FLAGS.items():
         default = getattr(defaults, name)
@@ -194,6 +200,11 @@ def _announce(url: str) -> None:
 def _run_replicas(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.engine_process:
+        raise ValueError(
+            "--engine-process is for the single-process server: with --replicas each engine "
+            "already runs in a Ray actor process of its own, apart from the ingress; drop it"
+        )
     try:
         from loopserve.ray import serve_replicas
     except ImportError as error:
@@ -231,5 +242,6 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         log_level=args.uvicorn_log_level,
+        engine_process=args.engine_process,
         **limits,
     )

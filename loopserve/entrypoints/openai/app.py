@@ -29,7 +29,8 @@ from loopserve.entrypoints.openai.body import BodyLimits
 from loopserve.entrypoints.openai.chat_template import load_chat_template
 from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.entrypoints.openai.context import ModelInfo, ServingContext
-from loopserve.entrypoints.openai.engine_thread import EngineThread
+from loopserve.entrypoints.openai.engine_process import EngineChild, EngineProcess
+from loopserve.entrypoints.openai.engine_thread import EngineLink, EngineThread
 from loopserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from loopserve.entrypoints.openai.limits import ConcurrencyLimitMiddleware, RequestLimits
 from loopserve.entrypoints.openai.logprobs import LogprobFormatter
@@ -46,8 +47,9 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 REQUEST_WORKER_THREADS = 2
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """The app serving `engine`; from here on only the engine thread touches the engine.
+def build_app(engine: Engine | EngineChild, config: ServerConfig) -> FastAPI:
+    """The app serving `engine` (in this process, or an engine process); from here on only the
+    engine thread (or the engine process) touches the engine.
 
     Raises:
         ValueError: the chat template does not compile.
@@ -55,20 +57,26 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     return app_for(serving_context(engine, config))
 
 
-def serving_context(engine: Engine, config: ServerConfig) -> ServingContext:
-    """Everything the routes share; the engine thread starts with `running`.
+def serving_context(engine: Engine | EngineChild, config: ServerConfig) -> ServingContext:
+    """Everything the routes share; the engine thread (or the engine process's reader) starts
+    with `running`.
 
     Raises:
         ValueError: the chat template does not compile.
     """
-    model = ModelInfo.of(engine)
+    model = engine.model if isinstance(engine, EngineChild) else ModelInfo.of(engine)
     metrics = ServerMetrics(model.num_loops)
+    link: EngineLink = (
+        EngineProcess(engine, metrics)
+        if isinstance(engine, EngineChild)
+        else EngineThread(engine, metrics)
+    )
     chat_template = load_chat_template(config.chat_template, model.tokenizer)
     source = chat_template.source if chat_template is not None else None
     return ServingContext(
         config=config,
         model=model,
-        engine=EngineThread(engine, metrics),
+        engine=link,
         metrics=metrics,
         chat_template=chat_template,
         splits_reasoning=splits_reasoning(config.reasoning_parser, source),
@@ -168,7 +176,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def abort_after_drain(
-    loop: asyncio.AbstractEventLoop, engine: EngineThread, timeout_s: float
+    loop: asyncio.AbstractEventLoop, engine: EngineLink, timeout_s: float
 ) -> Callable[[], None]:
     """Install the hook; returns a function that restores the previous handlers.
 

@@ -56,6 +56,9 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     # uvicorn's log level.
     log_level: str = "info"
+    # Run the engine in a process of its own (`engine_process`), apart from the HTTP event loop:
+    # the two no longer share an interpreter lock.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not name for name in self.served_model_names):

@@ -1,10 +1,10 @@
-"""What every request handler shares: settings, model facts, the engine thread and helpers.
+"""What every request handler shares: settings, model facts, the engine link and helpers.
 
 Owns: `ModelInfo` (immutable facts read from the engine before its thread starts) and
 `ServingContext`, built once per app, plus the served-model check and `off_loop`, which runs a
 request's CPU work (parsing, validation, chat templates, tokenizing) on the app's worker threads.
 Must not: hold per-request state or the `Engine` itself (handlers reach the engine only through
-`EngineThread`).
+an `EngineLink`: the engine thread, or the engine process).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from loopserve.engine.engine import Engine
 from loopserve.entrypoints.openai.body import BodyLimits
 from loopserve.entrypoints.openai.chat_template import ChatTemplate
 from loopserve.entrypoints.openai.config import ServerConfig
-from loopserve.entrypoints.openai.engine_thread import EngineThread
+from loopserve.entrypoints.openai.engine_thread import EngineLink
 from loopserve.entrypoints.openai.errors import OpenAIError
 from loopserve.entrypoints.openai.limits import RequestLimits
 from loopserve.entrypoints.openai.logprobs import LogprobFormatter
@@ -68,7 +68,7 @@ class ModelInfo:
 class ServingContext:
     config: ServerConfig
     model: ModelInfo
-    engine: EngineThread
+    engine: EngineLink
     metrics: ServerMetrics
     chat_template: ChatTemplate | None
     splits_reasoning: bool  # chat replies carry `reasoning_content` apart from `content`

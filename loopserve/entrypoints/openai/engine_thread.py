@@ -20,8 +20,9 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from loopserve.engine.engine import Engine, EngineStats
 from loopserve.entrypoints.openai.metrics import ServerMetrics
@@ -58,16 +59,88 @@ class _Abort:
     request_ids: tuple[str, ...]
 
 
+class EngineLink(Protocol):
+    """How request handlers reach the engine: `EngineThread`, or `engine_process.EngineProcess`
+    (the engine in a process of its own)."""
+
+    error: BaseException | None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def add(self, requests: Sequence[EngineRequest], queue: OutputQueue) -> None: ...
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+    def stop(self, timeout: float | None = None) -> None: ...
+
+
+class OutputRouter:
+    """Hands engine outputs to each HTTP request's asyncio queue (one event-loop callback per
+    batch) and records their metrics. Used by one thread at a time: the engine thread, or the
+    engine process's reader."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._queues: dict[str, OutputQueue] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests whose final output has not been delivered yet."""
+        return list(self._queues)
+
+    def register(self, request_ids: Sequence[str], queue: OutputQueue) -> None:
+        for request_id in request_ids:
+            self._queues[request_id] = queue
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        self._metrics.observe((output, len(output.outputs[0].new_token_ids)) for output in outputs)
+        batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]] = []
+        for output in outputs:
+            if output.finished:
+                queue = self._queues.pop(output.request_id, None)
+            else:
+                queue = self._queues.get(output.request_id)
+            if queue is not None:
+                batch.append((queue, output))
+        self._send(batch)
+
+    def shut_down(
+        self, reason: EngineDeadError, abort: Callable[[list[str]], list[RequestOutput]]
+    ) -> None:
+        """Deliver what `abort` returns for the requests still waiting for outputs, then send
+        `reason` to every one of them: no more outputs will come."""
+        queues = set(self._queues.values())
+        try:
+            self.deliver(abort(self.request_ids))
+        finally:
+            self._queues.clear()
+            self._send([(queue, reason) for queue in queues])
+
+    def _send(self, batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]]) -> None:
+        if not batch or self.loop is None:
+            return
+        try:
+            self.loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            logger.debug("the event loop is closed; %d outputs dropped", len(batch))
+
+
 class EngineThread:
     def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
         self._engine = engine
-        self._metrics = metrics
+        self._router = OutputRouter(metrics)
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
         self._closed = False  # set by the thread when it stops taking commands
-        self._queues: dict[str, OutputQueue] = {}  # engine thread only
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self.error: BaseException | None = None
@@ -76,7 +149,7 @@ class EngineThread:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the thread; outputs are delivered on `loop`."""
-        self._loop = loop
+        self._router.loop = loop
         self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
         self._thread.start()
 
@@ -154,7 +227,7 @@ class EngineThread:
                 outputs += self._abort(command.request_ids)
         if self._engine.has_unfinished_requests():
             outputs += self._engine.step()
-        self._deliver(outputs)
+        self._router.deliver(outputs)
         self._stats = self._engine.stats()
         return True
 
@@ -176,8 +249,7 @@ class EngineThread:
             if not isinstance(error, Exception):
                 raise
             return
-        for request_id in added:
-            self._queues[request_id] = command.queue
+        self._router.register(added, command.queue)
         command.accepted.set_result(None)
 
     def _abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
@@ -188,26 +260,6 @@ class EngineThread:
                 outputs.append(output)
         return outputs
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._metrics.observe((output, len(output.outputs[0].new_token_ids)) for output in outputs)
-        batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]] = []
-        for output in outputs:
-            if output.finished:
-                queue = self._queues.pop(output.request_id, None)
-            else:
-                queue = self._queues.get(output.request_id)
-            if queue is not None:
-                batch.append((queue, output))
-        self._send(batch)
-
-    def _send(self, batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]]) -> None:
-        if not batch or self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:
-            logger.debug("the event loop is closed; %d outputs dropped", len(batch))
-
     def _shut_down(self, reason: EngineDeadError) -> None:
         """Refuse queued adds, abort every running request and tell its client."""
         with self._wakeup:
@@ -217,12 +269,9 @@ class EngineThread:
         for command in commands:
             if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(reason)
-        queues = set(self._queues.values())
         try:
-            self._deliver(self._abort(list(self._queues)))
+            self._router.shut_down(reason, self._abort)
         finally:
-            self._send([(queue, reason) for queue in queues])
-            self._queues.clear()
             self._stats = self._engine.stats()
 
 

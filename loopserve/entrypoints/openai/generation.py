@@ -2,7 +2,7 @@
 
 Owns: `Generation` (start -> batches of outputs as they arrive -> close, which aborts whatever is
 unfinished, so a client that leaves frees its KV pages) and turning engine failures into OpenAI
-errors. Must not: format responses or touch the engine except through `EngineThread`.
+errors. Must not: format responses or touch the engine except through its `EngineLink`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from loopserve.entrypoints.openai.engine_thread import (
     EngineDeadError,
+    EngineLink,
     EngineRequest,
-    EngineThread,
     OutputQueue,
 )
 from loopserve.entrypoints.openai.errors import OpenAIError, bad_request
@@ -24,7 +24,7 @@ from loopserve.outputs import RequestOutput
 class Generation:
     def __init__(
         self,
-        engine: EngineThread,
+        engine: EngineLink,
         requests: Sequence[EngineRequest],
         constraint_field: str | None = None,
     ) -> None:

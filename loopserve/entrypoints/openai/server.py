@@ -22,6 +22,7 @@ from loopserve.config import EngineConfig
 from loopserve.engine.engine import Engine
 from loopserve.entrypoints.openai.app import build_app
 from loopserve.entrypoints.openai.config import ServerConfig
+from loopserve.entrypoints.openai.engine_process import EngineChild
 
 # Seconds uvicorn waits, after the app aborted what was left, before it cancels connections.
 SHUTDOWN_BACKSTOP_S = 5
@@ -85,7 +86,8 @@ def run_server(
             if on_listening is not None:
                 on_listening(socket_url(sock))
 
-    app = build_app(Engine(engine_config), config)
+    engine = EngineChild.spawn(engine_config) if config.engine_process else Engine(engine_config)
+    app = build_app(engine, config)
     with objects_frozen():
         Server(uvicorn_config(app, config)).run(sockets=[sock])
 

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from loopserve.entrypoints.openai.choice_state import ChoiceDelta, ChoiceState
-from loopserve.entrypoints.openai.engine_thread import EngineThread
+from loopserve.entrypoints.openai.engine_thread import EngineLink
 from loopserve.entrypoints.openai.errors import OpenAIError
 from loopserve.entrypoints.openai.generation import Generation
 from loopserve.entrypoints.openai.prompts import ChoicePlan
@@ -57,7 +57,7 @@ class ResponseWriter(Protocol):
 
 async def respond(
     request: Request,
-    engine: EngineThread,
+    engine: EngineLink,
     plans: Sequence[ChoicePlan],
     stream: bool,
     writer: ResponseWriter,

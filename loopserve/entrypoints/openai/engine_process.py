@@ -1,0 +1,312 @@
+"""The engine in a process of its own (`loopserve serve --engine-process`): `EngineThread`'s part
+played across a pipe, so the HTTP event loop and the engine no longer share an interpreter lock.
+
+Owns: starting the child (`EngineChild.spawn`: it builds the `Engine` and answers with the model's
+facts, or with the error that stopped it), the child's loop (`_ChildLoop`: commands in; per step
+one message out with what the outputs added, `output_deltas`, and a stats snapshot), and the
+server's side (`EngineProcess`: sends commands; a reader thread turns deltas back into outputs
+and hands them to the requests' queues through `engine_thread.OutputRouter`). Must not: touch the
+`Engine` from the server's process, or serve Ray replicas (they keep the engine in process).
+
+Why: in one process the engine thread and the event loop take turns on one interpreter lock. On
+an H100 at C=128 the server's engine thread spent 0.43 ms more CPU per step than offline and the
+event loop ~70 µs per token, so served throughput was 0.91 of offline (docs/server.md). Here the
+engine's process does the engine's work and pickles a few items per request and step.
+
+Messages, child to server: ("ready", ModelInfo, EngineStats) | ("refused", text) (a ValueError
+while building: a bad setting or checkpoint) | ("failed", text) | ("added", add id, None or
+(text, is_value_error)) | ("outputs", [OutputDelta], EngineStats). Server to child: ("add", add
+id, [EngineRequest]) | ("abort", request ids) | ("stop",). The pipe keeps their order, so a
+request's "added" always comes before its first outputs. The child ignores SIGINT (the server
+stops it by message) and exits when the pipe closes (the server died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from loopserve.config import EngineConfig
+from loopserve.engine.engine import Engine, EngineStats
+from loopserve.entrypoints.openai.context import ModelInfo
+from loopserve.entrypoints.openai.engine_thread import (
+    EngineDeadError,
+    EngineRequest,
+    OutputQueue,
+    OutputRouter,
+)
+from loopserve.entrypoints.openai.metrics import ServerMetrics
+from loopserve.entrypoints.openai.output_deltas import DeltaDecoder, DeltaEncoder
+from loopserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Seconds `stop` waits for the child to end after its reader has, before terminating it.
+EXIT_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChild:
+    """A started engine process whose engine is built: its facts and first stats."""
+
+    process: BaseProcess
+    connection: Connection
+    model: ModelInfo
+    stats: EngineStats
+
+    @classmethod
+    def spawn(cls, config: EngineConfig) -> EngineChild:
+        """Start the process and wait until its engine is built (the model loaded).
+
+        Raises:
+            ValueError: the engine refused `config` (the message says why, as in process).
+            RuntimeError: the process failed or died before its engine was ready.
+        """
+        context = multiprocessing.get_context("spawn")  # no fork: torch and threads are live
+        connection, child_end = context.Pipe()
+        process = context.Process(
+            target=_run_child, args=(config, child_end), name="loopserve-engine"
+        )
+        process.start()
+        child_end.close()
+        try:
+            message = connection.recv()
+        except EOFError:
+            process.join()
+            raise RuntimeError(
+                f"the engine process exited (code {process.exitcode}) before its engine was built"
+            ) from None
+        if message[0] == "ready":
+            return cls(process, connection, message[1], message[2])
+        process.join()
+        connection.close()
+        if message[0] == "refused":
+            raise ValueError(message[1])
+        raise RuntimeError(f"the engine process failed to start: {message[1]}")
+
+
+class EngineProcess:
+    """`engine_thread.EngineLink` over an `EngineChild`."""
+
+    def __init__(self, child: EngineChild, metrics: ServerMetrics) -> None:
+        self._child = child
+        self._router = OutputRouter(metrics)
+        self._decoder = DeltaDecoder()
+        self._lock = threading.Lock()  # the pipe's sending end, `_pending` and `_closed`
+        self._pending: dict[int, tuple[list[str], OutputQueue, concurrent.futures.Future[None]]]
+        self._pending = {}
+        self._add_ids = itertools.count()
+        self._closed = False
+        self._stopping = False
+        self._stats = child.stats
+        self._reader: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ----- event loop side -------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._router.loop = loop
+        self._reader = threading.Thread(target=self._read, name="loopserve-engine-reader")
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._reader is not None and self._reader.is_alive() and self.error is None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def add(self, requests: Sequence[EngineRequest], queue: OutputQueue) -> None:
+        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine is not running (the server is shutting down)")
+            add_id = next(self._add_ids)
+            self._pending[add_id] = ([request.request_id for request in requests], queue, accepted)
+            self._child.connection.send(("add", add_id, list(requests)))
+        await asyncio.wrap_future(accepted)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self._send(("abort", tuple(request_ids)))
+
+    def request_stop(self) -> None:
+        self._stopping = True
+        self._send(("stop",))
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.request_stop()
+        if self._reader is not None:
+            self._reader.join(timeout)
+        process = self._child.process
+        process.join(EXIT_GRACE_S if timeout is None else min(timeout, EXIT_GRACE_S))
+        if process.is_alive():
+            logger.warning("the engine process did not end; terminating it")
+            process.terminate()
+            process.join()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            if self._closed:
+                return  # the child is gone: nothing runs that a command could change
+            with contextlib.suppress(OSError):  # the reader sees the child's end too
+                self._child.connection.send(message)
+
+    # ----- reader thread ---------------------------------------------------------------------
+
+    def _read(self) -> None:
+        reason = EngineDeadError("the server is shutting down")
+        try:
+            while True:
+                message = self._child.connection.recv()
+                if message[0] == "outputs":
+                    self._stats = message[2]
+                    self._router.deliver(self._decoder.decode(message[1]))
+                elif message[0] == "added":
+                    self._added(message[1], message[2])
+                else:  # "failed"
+                    self.error = RuntimeError(f"the engine failed: {message[1]}")
+                    reason = EngineDeadError(str(self.error))
+                    logger.error("%s; the server stops serving requests", self.error)
+                    break
+        except (EOFError, OSError):
+            if not self._stopping:
+                code = self._child.process.exitcode
+                self.error = RuntimeError(f"the engine process exited unexpectedly (code {code})")
+                reason = EngineDeadError(str(self.error))
+                logger.error("%s; the server stops serving requests", self.error)
+        finally:
+            self._shut_down(reason)
+
+    def _added(self, add_id: int, refusal: tuple[str, bool] | None) -> None:
+        with self._lock:
+            request_ids, queue, accepted = self._pending.pop(add_id)
+        if not accepted.set_running_or_notify_cancel():
+            if refusal is None:  # the client left while the engine added them
+                self.abort(request_ids)
+            return
+        if refusal is not None:
+            text, is_value_error = refusal
+            accepted.set_exception(ValueError(text) if is_value_error else RuntimeError(text))
+            return
+        self._router.register(request_ids, queue)
+        accepted.set_result(None)
+
+    def _shut_down(self, reason: EngineDeadError) -> None:
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for _, _, accepted in pending:
+            if accepted.set_running_or_notify_cancel():
+                accepted.set_exception(reason)
+
+        def forget(request_ids: list[str]) -> list[RequestOutput]:
+            self._decoder.forget(request_ids)
+            return []  # the child aborted them (stop) or is gone; no final outputs come
+
+        self._router.shut_down(reason, forget)
+        self._child.connection.close()
+
+
+# ----- the child -------------------------------------------------------------------------------
+
+
+def _run_child(config: EngineConfig, connection: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; it stops us by message
+    try:
+        engine = Engine(config)
+        model = ModelInfo.of(engine)
+    except ValueError as error:
+        connection.send(("refused", str(error)))
+        return
+    except BaseException as error:
+        connection.send(("failed", repr(error)))
+        raise
+    connection.send(("ready", model, engine.stats()))
+    _ChildLoop(engine, connection).run()
+
+
+class _ChildLoop:
+    def __init__(self, engine: Engine, connection: Connection) -> None:
+        self._engine = engine
+        self._connection = connection
+        self._encoder = DeltaEncoder()
+        self._live: set[str] = set()  # added and not finished
+
+    def run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except (EOFError, OSError):
+            return  # the server is gone
+        except BaseException as error:
+            logger.exception("the engine failed")
+            with contextlib.suppress(Exception):
+                self._connection.send(("failed", repr(error)))
+            if not isinstance(error, Exception):
+                raise
+
+    def _iterate(self) -> bool:
+        """Apply the commands that came, run one step; False after a stop (everything left
+        aborted and its final outputs sent)."""
+        outputs: list[RequestOutput] = []
+        stopping = False
+        wait = None if not self._engine.has_unfinished_requests() else 0.0
+        while not stopping and self._connection.poll(wait):
+            wait = 0.0
+            message = self._connection.recv()
+            if message[0] == "add":
+                self._add(message[1], message[2])
+            elif message[0] == "abort":
+                outputs += self._abort(message[1])
+            else:  # "stop"
+                stopping = True
+                outputs += self._abort(list(self._live))
+        ran = not stopping and self._engine.has_unfinished_requests()
+        if ran:
+            outputs += self._engine.step()
+        if outputs or ran:
+            for output in outputs:
+                if output.finished:
+                    self._live.discard(output.request_id)
+            deltas = self._encoder.encode(outputs)
+            self._connection.send(("outputs", deltas, self._engine.stats()))
+        return not stopping
+
+    def _add(self, add_id: int, requests: list[EngineRequest]) -> None:
+        added: list[str] = []
+        try:
+            for request in requests:
+                self._engine.add_request(
+                    request.prompt_token_ids, request.params, request.request_id
+                )
+                added.append(request.request_id)
+        except Exception as error:
+            # add_request touches no device state: the error fails this HTTP request only.
+            for request_id in added:
+                self._engine.abort(request_id)
+            refusal = (str(error), isinstance(error, ValueError))
+            self._connection.send(("added", add_id, refusal))
+            return
+        self._live.update(added)
+        self._connection.send(("added", add_id, None))
+
+    def _abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            output = self._engine.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs

@@ -1,0 +1,117 @@
+"""`loopserve serve --engine-process`: the engine in a child process answers exactly as the engine
+thread does (completions and chat, streamed and whole, `n` > 1, logprobs, stop strings, token
+ids); a client that leaves mid-stream frees its request's KV pages; a refused setting is the same
+one-line error; an engine process that dies makes the server answer 503 (and /health fail), not
+hang."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from loopserve.models.builtin import BUILTIN_MODEL_DIR
+
+from .server_testing import RunningServer, serve_in_thread
+
+pytestmark = pytest.mark.slow
+
+BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"prompt": "def add(a, b):\n", "max_tokens": 12, "temperature": 0}),
+    ("/v1/completions", {"prompt": ["import os\n", "class A:\n"], "max_tokens": 9, "n": 2,
+                         "temperature": 0.8, "seed": 5, "stream": True}),
+    ("/v1/completions", {"prompt": "x = [", "max_tokens": 20, "stop": [",", "]"], "logprobs": 2,
+                         "temperature": 0, "return_token_ids": True, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}],
+                              "max_tokens": 10, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count."}],
+                              "max_tokens": 10, "temperature": 0, "stream": True, "n": 2}),
+]  # fmt: skip
+
+
+def _answer(server: RunningServer, path: str, body: dict[str, Any]) -> Any:
+    """The choices of a reply (streamed: the events' choices in order), without ids and times."""
+    url = server.url + path
+    if not body.get("stream"):
+        reply = httpx.post(url, json=body | {"model": "tiny"}, headers=server.headers, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"]
+    events = []
+    with httpx.stream("POST", url, json=body | {"model": "tiny"}, headers=server.headers,
+                      timeout=60) as reply:  # fmt: skip
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: "))["choices"])
+    return events
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[RunningServer, RunningServer]]:
+    with (
+        serve_in_thread(BUILTIN_MODEL_DIR, engine_process=True) as in_process,
+        serve_in_thread(BUILTIN_MODEL_DIR) as threaded,
+    ):
+        yield in_process, threaded
+
+
+def test_answers_equal_the_engine_threads(servers: tuple[RunningServer, RunningServer]) -> None:
+    separate, threaded = servers
+    for path, body in BODIES:
+        assert _answer(separate, path, body) == _answer(threaded, path, body), (path, body)
+
+
+def test_a_client_that_leaves_frees_its_pages(servers: tuple[RunningServer, RunningServer]) -> None:
+    separate, _ = servers
+    body = {"model": "tiny", "prompt": "def f():\n", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    url = separate.url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=separate.headers, timeout=60) as reply:
+        lines = reply.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert separate.metrics()["loopserve:num_requests_running"] == 1
+    deadline = time.monotonic() + 20
+    while separate.metrics()["loopserve:kv_pages_used"] > 0:
+        assert time.monotonic() < deadline, "the aborted request kept its pages"
+        time.sleep(0.1)
+    assert separate.metrics()["loopserve:num_requests_running"] == 0
+
+
+def test_a_refused_setting_is_the_in_process_error() -> None:
+    from loopserve import LLM
+    from loopserve.config import EngineConfig
+    from loopserve.entrypoints.openai.engine_process import EngineChild
+
+    options = {"model": str(BUILTIN_MODEL_DIR), "max_model_len": 10**6}
+    with pytest.raises(ValueError) as in_process:
+        LLM(**options)
+    with pytest.raises(ValueError) as separate:
+        EngineChild.spawn(EngineConfig.from_options(**options))
+    assert str(separate.value) == str(in_process.value)
+
+
+def test_a_dead_engine_process_gets_503_not_a_hang() -> None:
+    before = set(multiprocessing.active_children())
+    with serve_in_thread(BUILTIN_MODEL_DIR, engine_process=True) as server:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        (child,) = set(multiprocessing.active_children()) - before
+        assert child.name == "loopserve-engine"
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while httpx.get(server.url + "/health", timeout=10).status_code == 200:
+            assert time.monotonic() < deadline, "/health still 200 after the engine died"
+            time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                           timeout=30)  # fmt: skip
+        assert reply.status_code == 503
+        assert "exited unexpectedly" in reply.text or "not running" in reply.text
