@@ -1,7 +1,7 @@
 """Graceful shutdown of `loopserve serve` (a real subprocess) on SIGTERM: a request that can
 finish within --shutdown-timeout completes; streams that cannot are aborted when the timeout
 passes and end cleanly with `finish_reason: "abort"`, non-streamed ones get 503; the process
-exits."""
+exits. The same with the engine in a process of its own (`--engine-process`)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,15 @@ SHUTDOWN_TIMEOUT_S = 2
 LONG_MAX_TOKENS = 4000  # thousands of engine steps: cannot finish within the timeout
 
 
-def _start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
-    flags = ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "4096"]
-    return start_serve_process(model, port, *flags)
+def _start_server(model: Path, port: int, *flags: str) -> subprocess.Popen[bytes]:
+    shutdown = ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--num-kv-pages", "4096"]
+    return start_serve_process(model, port, *shutdown, *flags)
+
+
+# The engine in the server's thread, and in a process of its own (`--engine-process`).
+ENGINE_PLACES = pytest.mark.parametrize(
+    "flags", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"]
+)
 
 
 def _wait_for_running(port: int, count: int) -> None:
@@ -86,10 +92,11 @@ class _Unstreamed(threading.Thread):
 
 
 @pytest.mark.slow
-def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
+@ENGINE_PLACES
+def test_sigterm_drains_then_aborts(tmp_path: Path, flags: list[str]) -> None:
     model = write_tiny_model(tmp_path / "model", max_model_len=LONG_MAX_TOKENS + 64)
     port = free_port()
-    process = _start_server(model, port)
+    process = _start_server(model, port, *flags)
     try:
         long, short = _Stream(port, LONG_MAX_TOKENS), _Stream(port, 24)
         long.start()
@@ -118,8 +125,11 @@ def test_sigterm_drains_then_aborts(tmp_path: Path) -> None:
     assert b"Traceback" not in stderr, stderr.decode()[-2000:]
 
 
-def test_ctrl_c_on_an_idle_server_is_one_line_and_exit_code_130(tmp_path: Path) -> None:
-    process = start_serve_process(write_tiny_model(tmp_path / "model"), free_port())
+@ENGINE_PLACES
+def test_ctrl_c_on_an_idle_server_is_one_line_and_exit_code_130(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    process = start_serve_process(write_tiny_model(tmp_path / "model"), free_port(), *flags)
     try:
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=60)

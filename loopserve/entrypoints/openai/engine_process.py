@@ -17,8 +17,8 @@ Messages, child to server: ("ready", ModelInfo, EngineStats) | ("refused", text)
 while building: a bad setting or checkpoint) | ("failed", text) | ("added", add id, None or
 (text, is_value_error)) | ("outputs", [OutputDelta], EngineStats). Server to child: ("add", add
 id, [EngineRequest]) | ("abort", request ids) | ("stop",). The pipe keeps their order, so a
-request's "added" always comes before its first outputs. The child ignores SIGINT (the server
-stops it by message) and exits when the pipe closes (the server died).
+request's "added" always comes before its first outputs. The child ignores SIGINT and SIGTERM
+(the server drains, then stops it by message) and exits when the pipe closes (the server died).
 """
 
 from __future__ import annotations
@@ -133,8 +133,11 @@ class EngineProcess:
             if self._closed:
                 raise EngineDeadError("the engine is not running (the server is shutting down)")
             add_id = next(self._add_ids)
+            try:
+                self._child.connection.send(("add", add_id, list(requests)))
+            except OSError:  # the child is gone; the reader is about to say so
+                raise EngineDeadError("the engine is not running (its process ended)") from None
             self._pending[add_id] = ([request.request_id for request in requests], queue, accepted)
-            self._child.connection.send(("add", add_id, list(requests)))
         await asyncio.wrap_future(accepted)
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -151,9 +154,9 @@ class EngineProcess:
             self._reader.join(timeout)
         process = self._child.process
         process.join(EXIT_GRACE_S if timeout is None else min(timeout, EXIT_GRACE_S))
-        if process.is_alive():
-            logger.warning("the engine process did not end; terminating it")
-            process.terminate()
+        if process.is_alive():  # it ignores SIGTERM (see `_run_child`)
+            logger.warning("the engine process did not end; killing it")
+            process.kill()
             process.join()
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -224,7 +227,11 @@ class EngineProcess:
 
 
 def _run_child(config: EngineConfig, connection: Connection) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; it stops us by message
+    # Ctrl-C and SIGTERM to the process group are the server's: it drains its requests, which
+    # needs the engine, then stops it by message. Should the server die, the pipe closes and the
+    # loop ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = Engine(config)
         model = ModelInfo.of(engine)
