@@ -18,6 +18,7 @@
 #          then, carrying `.carry/serve`:  OUT=$OUT SERVE_WHEELS=.carry/serve bash scripts/gpu_serve_rates.sh
 # CPU rehearsal (ouro-tiny, tiny sizes, ~2 min on 2 cores):
 #          DEVICE=cpu OUT=/tmp/rates bash scripts/gpu_serve_rates.sh
+# SERVE_FLAGS="--engine-process" serves with the engine in a process of its own.
 # Every step has a timeout and the whole run a deadline (DEADLINE_S, default 500 s): a step that
 # would start past it is skipped and logged. Writes $OUT/rates.jsonl (one bench serve line per
 # run, `config.label` = "<exits> <input>/<output>"), $OUT/rates.md, $OUT/rates.log.
@@ -32,6 +33,7 @@ FIXED_LOOPS="${FIXED_LOOPS:-4}"  # Ouro-1.4B and ouro-tiny both run 4 loops
 GOODPUT="${GOODPUT:-ttft:250 tpot:25}"
 WARMUP_PROMPTS="${WARMUP_PROMPTS:-8}"  # the untimed wave before each exit setting's runs
 CLOSED="${CLOSED:-}"  # closed-loop concurrencies run after the rates (e.g. "128"; none by default)
+SERVE_FLAGS="${SERVE_FLAGS:-}"  # more `loopserve serve` flags (e.g. "--engine-process")
 if [ "$DEVICE" = cpu ]; then
   MODEL="${MODEL:-ouro-tiny}"; WORKLOADS="${WORKLOADS:-64/8/12 2 8;32/32/6 1 4}"
   READY_TIMEOUT_S="${READY_TIMEOUT_S:-120}"; STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-60}"
@@ -79,10 +81,10 @@ stop_server() {
 . "$(dirname "$0")/lib/server.sh"
 trap stop_server EXIT
 
-say "loopserve serve --exit-mode trace"
+say "loopserve serve --exit-mode trace $SERVE_FLAGS"
 "$PYTHON" -m loopserve.entrypoints.cli serve --model "$MODEL" --device "$DEVICE" --port "$PORT" \
   --exit-mode trace --max-num-seqs 256 --max-concurrent-requests 4096 --shutdown-timeout 5 \
-  >>"$LOG" 2>&1 &
+  $SERVE_FLAGS >>"$LOG" 2>&1 &
 server_pid=$!
 if ! waited=$(wait_healthy "$PORT" "$server_pid" "$READY_TIMEOUT_S"); then
   say "server not ready after $waited s (see the log)"
