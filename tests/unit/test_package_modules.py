@@ -32,7 +32,8 @@ MODULES: dict[str, set[str]] = {
     "bench": {
         "__init__", "calibration", "checkpoint_cache", "closed_loop", "compare", "depth_gain",
         "engine_pool",
-        "figures", "floor", "offline", "plot", "presets", "prompts", "provenance", "records",
+        "figures", "floor", "offline", "offline_args", "plot", "presets", "prompts", "provenance",
+        "records",
         "serve_client", "serve_figures", "step_timeline", "summary", "sweep", "sweep_spec",
         "timed_runner", "timeline_summary", "trial",
     },
