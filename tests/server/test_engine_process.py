@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -115,3 +116,23 @@ def test_a_dead_engine_process_gets_503_not_a_hang() -> None:
                            timeout=30)  # fmt: skip
         assert reply.status_code == 503
         assert "exited unexpectedly" in reply.text or "not running" in reply.text
+
+
+def test_a_request_the_engine_refuses_is_400_with_its_message() -> None:
+    """Refused by the engine itself (more KV pages than the cache has), not by the HTTP checks:
+    the child's ValueError comes back as the in-process server's 400."""
+    body = {"model": "tiny", "prompt": "def f():\n", "max_tokens": 600, "ignore_eos": True}
+    replies = []
+    for separate in (False, True):
+        with serve_in_thread(
+            BUILTIN_MODEL_DIR, engine={"num_kv_pages": 24}, engine_process=separate
+        ) as server:
+            reply = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                               timeout=30)  # fmt: skip
+            message = re.sub(r"'cmpl-[\w-]+'", "ID", reply.json()["error"]["message"])
+            replies.append((reply.status_code, message))
+            ok = httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 4},
+                            headers=server.headers, timeout=30)  # fmt: skip
+            assert ok.status_code == 200  # the engine serves on
+    assert replies[0] == replies[1]
+    assert replies[0][0] == 400 and "KV pages" in replies[0][1], replies
