@@ -136,3 +136,24 @@ def test_a_request_the_engine_refuses_is_400_with_its_message() -> None:
             assert ok.status_code == 200  # the engine serves on
     assert replies[0] == replies[1]
     assert replies[0][0] == 400 and "KV pages" in replies[0][1], replies
+
+
+def test_a_message_the_server_cannot_take_stops_it_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader fails on a message (here: rebuilding outputs raises): requests get an error,
+    not a hang, /health fails, and the engine process ends (its pipe is closed)."""
+    from loopserve.entrypoints.openai import output_deltas
+
+    def broken(self: object, deltas: list[Any]) -> list[Any]:
+        raise RuntimeError("cannot rebuild these outputs")
+
+    monkeypatch.setattr(output_deltas.DeltaDecoder, "decode", broken)
+    before = set(multiprocessing.active_children())
+    with serve_in_thread(BUILTIN_MODEL_DIR, engine_process=True) as server:
+        (child,) = set(multiprocessing.active_children()) - before
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                           timeout=30)  # fmt: skip
+        assert reply.status_code in (500, 503) and "cannot rebuild" in reply.text, reply.text
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        child.join(20)
+        assert not child.is_alive()

@@ -189,8 +189,12 @@ class EngineProcess:
                 self.error = RuntimeError(f"the engine process exited unexpectedly (code {code})")
                 reason = EngineDeadError(str(self.error))
                 logger.error("%s; the server stops serving requests", self.error)
+        except Exception as error:  # a message this side cannot take: nothing more can be trusted
+            logger.exception("reading the engine process failed; the server stops serving")
+            self.error = error
+            reason = EngineDeadError(f"the engine failed: {error!r}")
         finally:
-            self._shut_down(reason)
+            self._shut_down(reason)  # closes the pipe: the child's next send fails and it ends
 
     def _added(self, add_id: int, refusal: tuple[str, bool] | None) -> None:
         with self._lock:

@@ -15,12 +15,12 @@ when a step added several). `Engine.step` gives one sequence per output (`n` is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 
 
-@dataclass(frozen=True, slots=True)
-class RequestStart:
+class RequestStart(NamedTuple):
     """What a request's first delta carries once: its prompt and arrival."""
 
     prompt: str | None
@@ -28,8 +28,10 @@ class RequestStart:
     arrival_time: float
 
 
-@dataclass(frozen=True, slots=True)
-class OutputDelta:
+class OutputDelta(NamedTuple):
+    """What one `RequestOutput` added since the request's last one (a tuple: the cheapest thing
+    to build and pickle, 19 fields for every output of every step)."""
+
     request_id: str
     start: RequestStart | None  # on the request's first delta only
     tokens_kept: int  # generated tokens kept of those sent before (fewer where a stop cut some)
