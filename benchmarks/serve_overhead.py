@@ -3,7 +3,8 @@ the offline closed loop (`loopserve bench offline`'s `run_closed_loop`) on the s
 and workload, alternated offline, serve, serve, offline per round.
 
     python -m benchmarks.serve_overhead [--model DIR] [--device cuda] [--workload 512/128]
-        [--concurrency 128] [--exits fixed|trace] [--rounds 2] [--out FILE.jsonl]
+        [--concurrency 128] [--exits fixed|trace] [--rounds 2] [--engine-process]
+        [--out FILE.jsonl]
 
 CPU reproduction (docs/server.md, "Where the server's host time goes"):
     loopserve make-checkpoint /tmp/tiny --preset tiny
@@ -22,6 +23,10 @@ modes alike). A serve run
 adds the CPU time per output token of the server's event-loop (main) thread, its engine thread,
 its other threads, and of the client (its start-up included). The last line is the summary:
 medians, and served over offline tokens/s.
+
+`--engine-process` serves with the engine in a process of its own: its steps are then not timed
+(they run in a spawned process), and a serve run reports that process's CPU per token instead
+(`engine_process_cpu_us_per_token`, all its threads).
 
 `--threads N` sets torch's intra-op threads (the child's OMP_NUM_THREADS too): on a small CPU
 box, 1 keeps the compute on the engine thread and leaves the other cores to the event loop and
@@ -109,6 +114,27 @@ def serve_child(stats_path: Path, serve_args: list[str]) -> int:
 
     threading.Thread(target=report, daemon=True).start()
     return cli_main(["serve", *serve_args])
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Pids of `pid`'s children started by multiprocessing's spawn (the engine process of
+    `serve --engine-process`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"spawn_main" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds of every thread of these processes."""
+    return sum(sum(thread_cpu_s(pid).values()) for pid in pids)
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:
@@ -221,8 +247,11 @@ def serve_run(
     # process is spawned afresh and its steps are not timed: only tok/s and the loop's CPU).
     engine_tid = int(steps_before["thread"]) or None
     waited = runqueue_wait_s(pid, engine_tid) if engine_tid else 0.0
+    engine_processes = spawned_children(pid)
+    engine_process_before = process_cpu_s(engine_processes)
     summary = bench_serve(args, server.url, 2 * args.concurrency, args.output_len, seed, extra)
     client = children_cpu_s() - client_before
+    engine_process = process_cpu_s(engine_processes) - engine_process_before
     threads = thread_cpu_s(pid)
     waited = (runqueue_wait_s(pid, engine_tid) - waited) if engine_tid else 0.0
     time.sleep(1.0)
@@ -242,6 +271,8 @@ def serve_run(
         "loop_cpu_us_per_token": round(loop, 2),
         "engine_cpu_us_per_token": round(engine, 2),
         "other_threads_cpu_us_per_token": round(sum(per_token.values()), 2),
+        # --engine-process: every thread of the engine's process (its steps are not timed)
+        "engine_process_cpu_us_per_token": round(engine_process / tokens * 1e6, 2),
         "client_cpu_us_per_token": round(client / tokens * 1e6, 2),
     }
 
@@ -319,6 +350,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "offline_engine_runqueue": median("offline", "engine_runqueue"),
         "serve_engine_runqueue": median("serve", "engine_runqueue"),
         "loop_cpu_us_per_token": median("serve", "loop_cpu_us_per_token"),
+        "engine_cpu_us_per_token": median("serve", "engine_cpu_us_per_token"),
+        "engine_process_cpu_us_per_token": median("serve", "engine_process_cpu_us_per_token"),
         "client_cpu_us_per_token": median("serve", "client_cpu_us_per_token"),
     }
 
@@ -334,7 +367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument(
-        "--engine-process", action="store_true", help="serve with --engine-process (steps untimed)"
+        "--engine-process",
+        action="store_true",
+        help="serve with --engine-process (its steps untimed; its process's CPU per token shown)",
     )
     parser.add_argument("--out", type=Path, default=None, help="also append the lines here")
     args = parser.parse_args(argv)
