@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loopserve.entrypoints.openai.server import objects_frozen
+from loopserve.entrypoints.openai.gc_freeze import objects_frozen
 
 from .bad_requests import (
     COMPLETIONS,

@@ -51,7 +51,8 @@ MODULES: dict[str, set[str]] = {
     },
     "entrypoints/openai": {
         "__init__", "app", "auth", "body", "chat_template", "choice_state", "config", "constraints",
-        "context", "engine_process", "engine_thread", "errors", "generation", "limits", "logprobs",
+        "context", "engine_process", "engine_thread", "errors", "gc_freeze", "generation", "limits",
+        "logprobs",
         "metrics", "output_deltas", "paths", "prompts", "protocol", "responses", "server",
         "serving", "serving_chat", "serving_completions", "streaming",
     },

@@ -46,6 +46,7 @@ from loopserve.entrypoints.openai.engine_thread import (
     OutputQueue,
     OutputRouter,
 )
+from loopserve.entrypoints.openai.gc_freeze import objects_frozen
 from loopserve.entrypoints.openai.metrics import ServerMetrics
 from loopserve.entrypoints.openai.output_deltas import DeltaDecoder, DeltaEncoder
 from loopserve.outputs import RequestOutput
@@ -246,7 +247,8 @@ def _run_child(config: EngineConfig, connection: Connection) -> None:
         connection.send(("failed", repr(error)))
         raise
     connection.send(("ready", model, engine.stats()))
-    _ChildLoop(engine, connection).run()
+    with objects_frozen():  # a full collection would stall the engine, as in the server
+        _ChildLoop(engine, connection).run()
 
 
 class _ChildLoop:

@@ -12,10 +12,8 @@ lifespan then stops the engine thread. Must not: parse command lines (the CLI do
 
 from __future__ import annotations
 
-import gc
 import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loopserve.config import EngineConfig
@@ -23,6 +21,7 @@ from loopserve.engine.engine import Engine
 from loopserve.entrypoints.openai.app import build_app
 from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.entrypoints.openai.engine_process import EngineChild
+from loopserve.entrypoints.openai.gc_freeze import objects_frozen
 
 # Seconds uvicorn waits, after the app aborted what was left, before it cancels connections.
 SHUTDOWN_BACKSTOP_S = 5
@@ -90,20 +89,3 @@ def run_server(
     app = build_app(engine, config)
     with objects_frozen():
         Server(uvicorn_config(app, config)).run(sockets=[sock])
-
-
-@contextmanager
-def objects_frozen() -> Iterator[None]:
-    """Exempt every object that exists now from the garbage collector's full collections until
-    the block ends. The server enters it once the model has loaded (torch, the model, the app:
-    ~330,000 objects on a tokenizer-less checkpoint). A collection holds the interpreter lock,
-    and so stalls the engine thread, for as long as it takes: ~140 ms each on the 2-core CPU box
-    (one every ~14 s of serving at C=128), ~5 ms with them frozen. Objects freed by reference
-    counting still are. Unfrozen on the way out, so the interpreter's exit frees them
-    (extensions such as Triton's report what it did not)."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
