@@ -36,10 +36,9 @@ from loopserve.engine.scheduler_output import SchedulerOutput
 from loopserve.engine.stats import EngineStats
 from loopserve.models.generation_config import (
     GenerationDefaults,
-    SamplingDefaults,
+    checked_sampling_defaults,
     read_generation_defaults,
 )
-from loopserve.models.model_config import ConfigError
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loopserve.request import Request
 from loopserve.sampling_params import ResolvedParams, SamplingParams
@@ -84,7 +83,9 @@ class Engine:
         self.end_of_sequence = end_of_sequence(self.model_config, generation, self.tokenizer)
         self.eos_token_ids = self.end_of_sequence.token_ids
         logger.info("end-of-sequence ids: %s", self.end_of_sequence.describe())
-        self.sampling_defaults = _sampling_defaults(config, generation)
+        self.sampling_defaults = checked_sampling_defaults(
+            generation, use=config.generation_config != "none"
+        )
         self._default_params = SamplingParams(**self.sampling_defaults.overrides())
         self.kv = KVCacheManager(
             self.info.num_kv_pages,
@@ -386,27 +387,3 @@ class Engine:
             speculating=self.scheduler.speculating,
             speculation_switches=scheduler.speculation_switches,
         )
-
-
-def _sampling_defaults(config: EngineConfig, generation: GenerationDefaults) -> SamplingDefaults:
-    """The checkpoint's sampling defaults, checked once; none with `generation_config="none"`."""
-    if config.generation_config == "none":
-        return SamplingDefaults()
-    defaults = generation.sampling
-    try:
-        SamplingParams(**defaults.overrides())
-    except ValueError as error:
-        raise ConfigError(f"generation_config.json: {error}") from None
-    if defaults.overrides():
-        logger.info(
-            "sampling defaults from generation_config.json (for fields a request leaves unset; "
-            "--generation-config none turns them off): %s",
-            defaults.overrides(),
-        )
-    if defaults.repetition_penalty not in (None, 1.0):
-        logger.warning(
-            "generation_config.json sets repetition_penalty %s, which loopserve does not "
-            "implement: requests run without it",
-            defaults.repetition_penalty,
-        )
-    return defaults
