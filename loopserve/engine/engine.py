@@ -31,14 +31,11 @@ from loopserve.engine.detokenizer import IncrementalDetokenizer
 from loopserve.engine.end_of_sequence import end_of_sequence
 from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.engine.runner_api import PendingStep, Runner, RunnerInfo, default_runner
+from loopserve.engine.sampling_defaults import checked_sampling_defaults
 from loopserve.engine.scheduler import Scheduler
 from loopserve.engine.scheduler_output import SchedulerOutput
 from loopserve.engine.stats import EngineStats
-from loopserve.models.generation_config import (
-    GenerationDefaults,
-    checked_sampling_defaults,
-    read_generation_defaults,
-)
+from loopserve.models.generation_config import GenerationDefaults, read_generation_defaults
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loopserve.request import Request
 from loopserve.sampling_params import ResolvedParams, SamplingParams

@@ -14,14 +14,11 @@ engine can say so) and never applied.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from loopserve.models.model_config import ConfigError
-
-logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -104,30 +101,3 @@ def _number(value: Any, name: str, integer: bool = False) -> float | int:
             raise ValueError(f"{name} must be an integer, got {value!r}")
         return int(value)
     return float(value)
-
-
-def checked_sampling_defaults(generation: GenerationDefaults, use: bool) -> SamplingDefaults:
-    """The checkpoint's sampling defaults, checked once as `SamplingParams` would check them, and
-    logged; none unless `use` (`generation_config="none"` turns them off)."""
-    from loopserve.sampling_params import SamplingParams
-
-    if not use:
-        return SamplingDefaults()
-    defaults = generation.sampling
-    try:
-        SamplingParams(**defaults.overrides())
-    except ValueError as error:
-        raise ConfigError(f"generation_config.json: {error}") from None
-    if defaults.overrides():
-        logger.info(
-            "sampling defaults from generation_config.json (for fields a request leaves unset; "
-            "--generation-config none turns them off): %s",
-            defaults.overrides(),
-        )
-    if defaults.repetition_penalty not in (None, 1.0):
-        logger.warning(
-            "generation_config.json sets repetition_penalty %s, which loopserve does not "
-            "implement: requests run without it",
-            defaults.repetition_penalty,
-        )
-    return defaults

@@ -41,8 +41,8 @@ MODULES: dict[str, set[str]] = {
     "depth": {"__init__", "exit_test", "policy", "trace"},
     "engine": {
         "__init__", "constraints", "detokenizer", "end_of_sequence", "engine", "kv_manager",
-        "page_budget", "prefix_cache", "request_slots", "runner_api", "scheduler",
-        "scheduler_output", "stats", "step_results",
+        "page_budget", "prefix_cache", "request_slots", "runner_api", "sampling_defaults",
+        "scheduler", "scheduler_output", "stats", "step_results",
     },
     "entrypoints": {"__init__", "chat_prompts", "llm", "reasoning", "tool_calls"},
     "entrypoints/cli": {
