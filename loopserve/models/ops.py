@@ -286,7 +286,8 @@ class TritonOps(TorchOps):
     ) -> torch.Tensor:
         """kernels/matmul.py's masked matmul, as the LM head's: a program whose rows are all
         unneeded stores zeros without reading its weights, and a row's bits do not depend on the
-        mask or the row count (so the serial reference, unmasked, gets the engine's bits)."""
+        mask or the row count (so the serial reference, unmasked, gets the engine's bits); fp8
+        weights as `linear` says (the GEMV at few rows, masked alike)."""
         return self._triton_linear(x.contiguous(), layer, rows, swiglu)
 
     def lm_head(

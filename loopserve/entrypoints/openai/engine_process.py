@@ -45,6 +45,8 @@ from loopserve.entrypoints.openai.engine_thread import (
     EngineRequest,
     OutputQueue,
     OutputRouter,
+    abort_all,
+    add_together,
 )
 from loopserve.entrypoints.openai.gc_freeze import objects_frozen
 from loopserve.entrypoints.openai.metrics import ServerMetrics
@@ -299,17 +301,10 @@ class _ChildLoop:
         return not stopping
 
     def _add(self, add_id: int, requests: list[EngineRequest]) -> None:
-        added: list[str] = []
         try:
-            for request in requests:
-                self._engine.add_request(
-                    request.prompt_token_ids, request.params, request.request_id
-                )
-                added.append(request.request_id)
+            added = add_together(self._engine, requests)
         except Exception as error:
             # add_request touches no device state: the error fails this HTTP request only.
-            for request_id in added:
-                self._engine.abort(request_id)
             refusal = (str(error), isinstance(error, ValueError))
             self._connection.send(("added", add_id, refusal))
             return
@@ -317,9 +312,4 @@ class _ChildLoop:
         self._connection.send(("added", add_id, None))
 
     def _abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        outputs = []
-        for request_id in request_ids:
-            output = self._engine.abort(request_id)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return abort_all(self._engine, request_ids)

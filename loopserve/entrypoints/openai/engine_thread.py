@@ -234,15 +234,9 @@ class EngineThread:
     def _add(self, command: _Add) -> None:
         if not command.accepted.set_running_or_notify_cancel():
             return  # the client left before the engine saw the requests
-        added: list[str] = []
         try:
-            for request in command.requests:
-                prompt, params = request.prompt_token_ids, request.params
-                self._engine.add_request(prompt, params, request.request_id)
-                added.append(request.request_id)
+            added = add_together(self._engine, command.requests)
         except BaseException as error:
-            for request_id in added:
-                self._engine.abort(request_id)
             command.accepted.set_exception(error)
             # add_request touches no device state: an unexpected error fails this request only
             # (the client gets it), the engine keeps serving the others.
@@ -253,12 +247,7 @@ class EngineThread:
         command.accepted.set_result(None)
 
     def _abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        outputs = []
-        for request_id in request_ids:
-            output = self._engine.abort(request_id)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return abort_all(self._engine, request_ids)
 
     def _shut_down(self, reason: EngineDeadError) -> None:
         """Refuse queued adds, abort every running request and tell its client."""
@@ -273,6 +262,31 @@ class EngineThread:
             self._router.shut_down(reason, self._abort)
         finally:
             self._stats = self._engine.stats()
+
+
+def add_together(engine: Engine, requests: Sequence[EngineRequest]) -> list[str]:
+    """Add the requests of one HTTP request, all or none: on an error the ones already added
+    are taken back and it is raised. Returns their ids."""
+    added: list[str] = []
+    try:
+        for request in requests:
+            engine.add_request(request.prompt_token_ids, request.params, request.request_id)
+            added.append(request.request_id)
+    except BaseException:
+        for request_id in added:
+            engine.abort(request_id)
+        raise
+    return added
+
+
+def abort_all(engine: Engine, request_ids: Sequence[str]) -> list[RequestOutput]:
+    """Abort these requests (unknown or finished ones are skipped); their final outputs."""
+    outputs = []
+    for request_id in request_ids:
+        output = engine.abort(request_id)
+        if output is not None:
+            outputs.append(output)
+    return outputs
 
 
 def _put_all(batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]]) -> None:
