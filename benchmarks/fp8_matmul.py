@@ -4,10 +4,13 @@
 [--out FILE]`: for Ouro-1.4B's four projections (the gate/up one with SiLU·up as its epilogue,
 as the engine runs it) at each row count, µs per call by CUDA-graph replay
 (`graph_replay.replay_ms`, the median) over enough weight copies to defeat the 50 MB L2, of:
-cuBLAS on the bf16 weight (and `silu_mul` after it for gate/up), and `kernels.matmul.linear` on
-the fp8 weight under its default tiling and under each candidate tiling; with `--gemv`, also
-`kernels.gemv.fp8_gemv` under its default and each of `GEMV_CANDIDATES` at up to `GEMV_MAX_ROWS`
-rows (records with `"kernel": "gemv"`). Each figure comes with the bytes it must move (weights,
+cuBLAS on the bf16 weight (and `silu_mul` after it for gate/up); the rows quantized
+(`kernels.e4m3.quantize_rows`) and multiplied by the fp8 weight in `kernels.matmul.linear` under
+its default tiling and under each candidate tiling, and in cuBLAS's fp8 matmul
+(`models.quant.scaled_mm`, records with `"kernel": "scaled_mm"`), each as the engine runs it
+(quantization included); with `--gemv`, also `kernels.gemv.fp8_gemv` (which quantizes in the
+kernel) under its default and each of `GEMV_CANDIDATES` at up to `GEMV_MAX_ROWS` rows (records
+with `"kernel": "gemv"`). Each figure comes with the bytes it must move (weights,
 scales, activations in and out) as a fraction of the copy bandwidth `bench.calibration` measures.
 Prints one JSON line per (shape, rows, tiling); the best candidate per (shape, rows) last.
 Must not: check correctness (tests/kernels/test_fp8_matmul.py does).
@@ -27,10 +30,11 @@ from benchmarks.graph_replay import replay_ms
 from benchmarks.jsonl import emit
 from loopserve.bench.calibration import measure_ceilings
 from loopserve.kernels import fused_ops
+from loopserve.kernels.e4m3 import quantize_rows
 from loopserve.kernels.gemv import GemvTiling, fp8_gemv, gemv_tiling
 from loopserve.kernels.matmul import Tiling, linear, tiling_for
 from loopserve.kv.storage import FP8
-from loopserve.models.quant import quantize_weight
+from loopserve.models.quant import quantize_weight, scaled_mm
 
 HIDDEN, INTER = 2048, 5632  # Ouro-1.4B (16 heads of 128: q, k and v are 2,048 wide each)
 SHAPES = {  # name -> (W's rows N, K)
@@ -64,7 +68,7 @@ MANY_ROWS = [  # prompt chunks
     Tiling(128, 64, 128, 8, 3),
 ]
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 16
 GEMV_CANDIDATES = [  # (columns per program, K slice, warps): bytes in flight against programs
     GemvTiling(2, 1024, 1),
     GemvTiling(4, 512, 1),
@@ -104,27 +108,35 @@ def measure(
     out_columns = columns // 2 if swiglu else columns
     activations = 2 * rows * (depth + out_columns)
     bf16_bytes = 2 * columns * depth + activations
-    fp8_bytes = columns * depth + 4 * columns + activations
+    fp8_bytes = columns * depth + 4 * columns + 4 * rows + activations
 
     def cublas() -> object:
         if swiglu:
             return [fused_ops.silu_mul(*F.linear(x, w).chunk(2, dim=-1)) for w in weights]
         return [F.linear(x, w) for w in weights]
 
-    def fp8(tiling: Tiling | GemvTiling) -> Callable[[], object]:
+    def cublas_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = scaled_mm(*quantize_rows(x), w8, scale)
+        return fused_ops.silu_mul(*out.chunk(2, dim=-1)) if swiglu else out
+
+    def triton_fp8(tiling: Tiling, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x8, x_scale = quantize_rows(x)
+        return linear(x8, w8, tiling, None, x.dtype, swiglu, scale=scale, x_scale=x_scale)
+
+    def fp8(tiling: Tiling | GemvTiling | None) -> Callable[[], object]:
+        if tiling is None:
+            return lambda: [cublas_fp8(w8, scale) for w8, scale in quantized]
         if isinstance(tiling, GemvTiling):
             return lambda: [
                 fp8_gemv(x, w8, scale, swiglu=swiglu, tiling=tiling) for w8, scale in quantized
             ]
-        return lambda: [
-            linear(x, w8, tiling, swiglu=swiglu, scale=scale) for w8, scale in quantized
-        ]
+        return lambda: [triton_fp8(tiling, w8, scale) for w8, scale in quantized]
 
     cublas_us = _replay_us(cublas, copies)
     base = {"shape": shape, "rows": rows, "N": columns, "K": depth, "bf16_cublas_us": cublas_us}
     base["bf16_of_copy"] = bf16_bytes / (cublas_us * 1e-6) / ceiling_bytes_per_s
     default = tiling_for(rows, out_columns, FP8, swiglu)
-    tried: list[tuple[Tiling | GemvTiling, bool]] = [(default, True)]
+    tried: list[tuple[Tiling | GemvTiling | None, bool]] = [(default, True), (None, False)]
     tried += [(t, False) for t in candidates(rows) if t != default]
     if gemv and rows <= GEMV_MAX_ROWS:
         gemv_default = gemv_tiling(columns, depth)
@@ -136,8 +148,8 @@ def measure(
         records.append(
             base
             | {
-                "kernel": "gemv" if isinstance(tiling, GemvTiling) else "linear",
-                "tiling": list(dataclasses.astuple(tiling)),
+                "kernel": _kernel(tiling),
+                "tiling": None if tiling is None else list(dataclasses.astuple(tiling)),
                 "default": is_default,
                 "fp8_us": us,
                 "fp8_of_copy": fp8_bytes / (us * 1e-6) / ceiling_bytes_per_s,
@@ -146,6 +158,10 @@ def measure(
         )  # fmt: skip
     best = min(records, key=lambda record: float(record["fp8_us"]))  # type: ignore[arg-type]
     return [*records, best | {"best": True}]
+
+
+def _kernel(tiling: Tiling | GemvTiling | None) -> str:
+    return "scaled_mm" if tiling is None else "gemv" if isinstance(tiling, GemvTiling) else "linear"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,16 +1,20 @@
 """FP8-weight GEMV: a few rows of x times an e4m3 W, read at memory speed (decode at low
 concurrency, where a step is the weights' bytes).
 
-Owns: `fp8_gemv` (the `models.quant` rule — fp32 sums of x times the e4m3 values, times the row's
-scale, rounded to x's dtype — optionally SiLU·up of a fused gate/up projection's halves and a
-row mask, like `kernels.matmul.linear`) and its tiling per weight shape (`gemv_tiling`). Must
-not: use the tensor cores, or let a row's sum depend on the other rows or on M.
+Owns: `fp8_gemv` (the `models.quant` rule — x quantized per row, fp32 sums of its e4m3 values
+times W's, times the row's scale and W's, rounded to x's dtype — optionally SiLU·up of a fused
+gate/up projection's halves and a row mask, like `kernels.matmul.linear`) and its tiling per
+weight shape (`gemv_tiling`). Must not: use the tensor cores, or let a row's sum depend on the
+other rows or on M.
 
 How. One program per (row, block of BLOCK_N columns); rows vary fastest in the grid, so the
 programs that read one weight block run together and the weight comes from DRAM once (the others
-hit the L2). A program walks K in BLOCK_K slices, widening each [BLOCK_N, BLOCK_K] fp8 tile to
-fp32 and adding x times it into an fp32 [BLOCK_N, BLOCK_K] accumulator (no reduction inside the
-loop), then folds the BLOCK_K lanes in `tl.sum`'s fixed tree. A row's bits therefore depend on the
+hit the L2). A program first finds its row's largest |x| (one pass over the row, which the L2
+holds), which gives the row's activation scale (`kernels.e4m3.row_scales`), so x is quantized in
+registers with no launch of its own. It then walks K in BLOCK_K slices, widening each
+[BLOCK_N, BLOCK_K] fp8 tile to fp32 and adding the quantized x times it into an fp32
+[BLOCK_N, BLOCK_K] accumulator (no reduction inside the loop), then folds the BLOCK_K lanes in
+`tl.sum`'s fixed tree. A row's bits therefore depend on the
 tiling only, which `gemv_tiling` picks from W's shape, never from M: a row has the same bits at
 every row count this kernel runs (tests/kernels/test_gemv.py). They are not
 `kernels.matmul.linear`'s bits (the tensor cores add 16-wide slices in their own order), so the
@@ -30,18 +34,27 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.kernels.e4m3 import e4m3_value, row_scales
 from loopserve.kernels.fused_ops import silu_times
 
 
 @triton.jit
-def _slice(
-    x_row, w_rows, up_offset, in_cols, K, start, acc, acc_up,
-    SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """acc (and acc_up) + x[start : start + BLOCK_K] times W's [BLOCK_N, BLOCK_K] slice."""
+def _x_slice(x_row, K, start, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[start : start + BLOCK_K] in fp32 (0 past K) and the mask of the columns inside K."""
     depth = start + tl.arange(0, BLOCK_K)
     in_depth = depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
-    x = tl.load(x_row + depth, mask=in_depth, other=0.0).to(tl.float32)
+    return tl.load(x_row + depth, mask=in_depth, other=0.0).to(tl.float32), depth, in_depth
+
+
+@triton.jit
+def _slice(
+    x_row, inverse, w_rows, up_offset, in_cols, K, start, acc, acc_up,
+    SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc (and acc_up) + x[start : start + BLOCK_K], quantized with the row's `inverse` scale,
+    times W's [BLOCK_N, BLOCK_K] slice."""
+    x, depth, in_depth = _x_slice(x_row, K, start, EVEN_K, BLOCK_K)
+    x = e4m3_value(x, inverse)
     w_mask = in_cols[:, None] & in_depth[None, :]
     acc += tl.load(w_rows + depth[None, :], mask=w_mask, other=0.0).to(tl.float32) * x[None, :]
     if SWIGLU:
@@ -67,25 +80,39 @@ def _gemv_kernel(
         if tl.load(want_ptr + row) == 0:  # an unwanted row reads no weight
             tl.store(out, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=in_cols)
             return
+    x_row = x_ptr + row * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     up_offset = N.to(tl.int64) * stride_w  # W_up's first row (SWIGLU)
+    # The row's activation scale: its largest |x| (a max, so the order of the pass is free).
+    largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    if UNROLL:  # every slice's load in flight at once (a loop waits for each in turn)
+        for step in tl.static_range(UNROLL):
+            x, _, _ = _x_slice(x_row, K, step * BLOCK_K, EVEN_K, BLOCK_K)
+            largest = tl.maximum(largest, tl.abs(x))
+    else:
+        for start in range(0, K, BLOCK_K):
+            x, _, _ = _x_slice(x_row, K, start, EVEN_K, BLOCK_K)
+            largest = tl.maximum(largest, tl.abs(x))
+    x_scale, inverse = row_scales(tl.max(largest, axis=0))
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # Unrolled, every slice's loads can issue before the first slice's products (bytes in flight
     # are what a GEMV's speed is); the sums keep the same order either way.
     if UNROLL:
         for step in tl.static_range(UNROLL):
-            acc, acc_up = _slice(x_ptr + row * stride_x, w_rows, up_offset, in_cols, K,
-                                 step * BLOCK_K, acc, acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
+            acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K, step * BLOCK_K,
+                                 acc, acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
     else:
         for start in range(0, K, BLOCK_K):
-            acc, acc_up = _slice(x_ptr + row * stride_x, w_rows, up_offset, in_cols, K, start,
-                                 acc, acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
-    # As `kernels.matmul.linear`: the fp32 sums scaled, rounded to x's dtype, then SiLU·up.
-    value = tl.sum(acc, axis=1) * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)
+            acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K, start, acc,
+                                 acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
+    # As `kernels.matmul.linear`: the fp32 sums times the row's scale, then W's, rounded to x's
+    # dtype, then SiLU·up.
+    value = tl.sum(acc, axis=1) * x_scale * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)
     value = value.to(x_ptr.dtype.element_ty)
     if SWIGLU:
-        up = tl.sum(acc_up, axis=1) * tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)
+        up = tl.sum(acc_up, axis=1) * x_scale
+        up = up * tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)
         up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
         value = silu_times(value.to(tl.float32), up, x_ptr.dtype.element_ty)
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=in_cols)
@@ -129,7 +156,8 @@ def fp8_gemv(
     swiglu: bool = False,  # W = [W_gate; W_up]: silu(x W_gate^T) * x W_up^T, [M, N / 2]
     tiling: GemvTiling | None = None,  # default `gemv_tiling` of W's shape
 ) -> torch.Tensor:
-    """(x W^T) * scale, [M, N], each row on its own (see the module docstring); with `swiglu`,
+    """`models.quant.fp8_linear` of x, [M, N], each row on its own (see the module docstring),
+    x quantized in the kernel; with `swiglu`,
     `fused_ops.silu_mul` of its two halves, each rounded to x's dtype first."""
     rows, depth = x.shape
     columns = weight.shape[0] // 2 if swiglu else weight.shape[0]

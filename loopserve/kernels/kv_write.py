@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.kernels.e4m3 import e4m3_value
 from loopserve.kv.storage import FP8
 
 
@@ -23,7 +24,7 @@ def cache_value(x, cache_ptr, inverse_scale=1.0):
     the host), saturates at +-448 and rounds to nearest, ties to even."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
         x = x.to(tl.float32)
-        x = _e4m3_grid(tl.clamp(x * inverse_scale, -448.0, 448.0), x)
+        x = e4m3_value(x, inverse_scale)
     return x.to(cache_ptr.dtype.element_ty)
 
 
@@ -46,22 +47,6 @@ def layer_scales(scales_ptr, cache_ptr):
         k_scale = tl.load(scales_ptr)
         v_scale = tl.load(scales_ptr + 1)
     return k_scale, v_scale
-
-
-@triton.jit
-def _e4m3_grid(x, signed):
-    """fp32 `x` (|x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in fp32
-    arithmetic, so that the conversion after it is exact: triton's CPU interpreter (3.9) does not
-    carry a rounding into the exponent (7.78 became 4.0, not 8.0). The sign is `signed`'s (x
-    before its positive scale), set as a bit: compiled for the H200, -0.0 times the scale came
-    out as a stored +0 where torch stores -0 (the float negation of a zero is not kept)."""
-    sign = signed.to(tl.int32, bitcast=True) & -0x80000000
-    magnitude = tl.abs(x)
-    bits = magnitude.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # 3 mantissa bits, ties to even
-    subnormal = (magnitude + 24576.0) - 24576.0  # below 2**-6: multiples of 2**-9 (1.5 * 2**14)
-    grid = tl.where(magnitude < 0.015625, subnormal.to(tl.int32, bitcast=True), rounded)
-    return (grid | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

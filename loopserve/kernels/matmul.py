@@ -1,7 +1,8 @@
 """Batch-invariant matmuls: row bits that never depend on how many rows share the call.
 
 Owns: `linear` (x [M, K] times W [N, K] transposed, rounded to x's dtype; W in x's dtype, or fp8
-e4m3 with a scale per row that multiplies the fp32 sums (`models.quant`); optionally only the
+e4m3 times rows of e4m3 values held in x's dtype, with a scale per row of each that multiplies
+the fp32 sums (`models.quant`, `kernels.e4m3.quantize_rows`); optionally only the
 rows a mask asks for; optionally SiLU·up of a fused gate/up projection's halves as the epilogue),
 `gate_logit` (the exit gate's fp32 h·w + b, optionally its sigmoid, one program per row) and the
 tiling each row count gets. Must not: split K, or
@@ -63,13 +64,14 @@ def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, w_ptr, scale_ptr, out_ptr, want_ptr, M, N, K, stride_a, stride_w, stride_out,
+    a_ptr, w_ptr, scale_ptr, a_scale_ptr, out_ptr, want_ptr, M, N, K, stride_a, stride_w,
+    stride_out,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,  # CPU tensors (the interpreter): dot operands in fp32, see `linear`
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
     SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
-    SCALED: tl.constexpr,  # scale_ptr: W's fp32 scale per row (an fp8 W), applied to the sums
+    SCALED: tl.constexpr,  # an fp8 W: a_scale_ptr / scale_ptr, a's and W's fp32 scales per row
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,16 +106,19 @@ def _matmul_kernel(
             w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)
             acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
     # Rounded to x's dtype first, so an fp32 output holds what `F.linear(...).float()` would;
-    # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves. An fp8 W's
-    # scales multiply the fp32 sums before that rounding (`models.quant.fp8_linear`).
+    # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves. With an fp8 W the
+    # scales multiply the fp32 sums before that rounding, a's then W's (`models.quant`).
+    rounded = a_ptr.dtype.element_ty
     if SCALED:
-        acc = acc * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)[None, :]
+        a_scale = tl.load(a_scale_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        acc = acc * a_scale * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)[None, :]
         if SWIGLU:
-            acc_up = acc_up * tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)[None, :]
-    value = acc.to(a_ptr.dtype.element_ty)
+            up_scale = tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)[None, :]
+            acc_up = acc_up * a_scale * up_scale
+    value = acc.to(rounded)
     if SWIGLU:
-        up = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
-        value = silu_times(value.to(tl.float32), up, a_ptr.dtype.element_ty)
+        up = acc_up.to(rounded).to(tl.float32)
+        value = silu_times(value.to(tl.float32), up, rounded)
     value = tl.where(wanted[:, None], value, 0.0)
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -183,17 +188,18 @@ def fp8_tiling(rows: int, invariant: bool) -> Tiling:
 
 
 def linear(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor,  # [M, K]; with an fp8 W, e4m3 values (`kernels.e4m3.quantize_rows`)
     weight: torch.Tensor,  # [N, K], x's dtype, or float8 e4m3 with `scale`
     tiling: Tiling | None = None,
     rows_wanted: torch.Tensor | None = None,  # [M] bool: compute these rows, zeros elsewhere
     out_dtype: torch.dtype | None = None,  # default x's; the values are rounded to x's first
     swiglu: bool = False,  # W = [W_gate; W_up]: silu(x W_gate^T) * x W_up^T, [M, N / 2]
     scale: torch.Tensor | None = None,  # [N] fp32: an fp8 W's scale per row (models.quant)
+    x_scale: torch.Tensor | None = None,  # [M] fp32: x's scale per row, with an fp8 W
 ) -> torch.Tensor:
-    """x W^T, [M, N] (an fp8 W: (x W^T) * scale, the fp32 sums scaled); with `swiglu`,
-    `fused_ops.silu_mul` of its two halves, [M, N / 2], each half rounded to x's dtype first as a
-    separate matmul's output would be."""
+    """x W^T, [M, N] (an fp8 W: ((x W^T) * x_scale) * scale, the fp32 sums scaled); with
+    `swiglu`, `fused_ops.silu_mul` of its two halves, [M, N / 2], each half rounded to x's dtype
+    first as a separate matmul's output would be."""
     rows, depth = x.shape
     columns = weight.shape[0] // 2 if swiglu else weight.shape[0]
     fp8 = weight.dtype == torch.float8_e4m3fn
@@ -201,19 +207,27 @@ def linear(
         weight.shape[1] != depth
         or (swiglu and weight.shape[0] % 2)
         or (not fp8 and weight.dtype != x.dtype)
+        or x.dtype == torch.float8_e4m3fn
     ):
         raise ValueError(
             f"linear of x {tuple(x.shape)} {x.dtype} by W {tuple(weight.shape)} {weight.dtype}: "
-            "W must be [N, K] of x's dtype or float8_e4m3fn"
+            "W must be [N, K] of x's dtype or float8_e4m3fn, x not float8"
             + (" with N even (swiglu)" if swiglu else "")
         )
-    if fp8 != (scale is not None) or (
-        scale is not None and (scale.shape != (weight.shape[0],) or scale.dtype != torch.float32)
+    if fp8 and (
+        scale is None
+        or x_scale is None
+        or scale.shape != (weight.shape[0],)
+        or x_scale.shape != (rows,)
+        or scale.dtype != torch.float32
+        or x_scale.dtype != torch.float32
     ):
         raise ValueError(
-            f"linear by a {weight.dtype} W [{weight.shape[0]}, K] needs "
-            + (f"an fp32 [{weight.shape[0]}] scale" if fp8 else "no scale")
+            f"linear by an fp8 W [{weight.shape[0]}, K] needs fp32 scales [{rows}] (x_scale) and "
+            f"[{weight.shape[0]}] (scale)"
         )
+    if not fp8 and (scale is not None or x_scale is not None):
+        raise ValueError(f"linear by a {weight.dtype} W takes no scales")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("linear needs x and W with a contiguous last dimension")
     wanted = rows_wanted
@@ -228,13 +242,13 @@ def linear(
     grid = (triton.cdiv(columns, tile.block_n), triton.cdiv(rows, tile.block_m))
     masked = rows_wanted is not None
     _matmul_kernel[grid](
-        x, weight, x if scale is None else scale, out, rows_wanted if masked else x, rows,
-        columns, depth, x.stride(0), weight.stride(0), out.stride(0),
-        IEEE=x.dtype == torch.float32,
+        x, weight, x if scale is None else scale, x if x_scale is None else x_scale, out,
+        rows_wanted if masked else x, rows, columns, depth, x.stride(0), weight.stride(0),
+        out.stride(0), IEEE=x.dtype == torch.float32,
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
         # operands are exact for bf16 / fp16 / fp8 values.
         UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0, MASKED=masked,
-        SWIGLU=swiglu, SCALED=scale is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        SWIGLU=swiglu, SCALED=fp8, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out

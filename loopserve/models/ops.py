@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopserve.models.quant import Linear, fp8_linear, weight_scale
+from loopserve.models.quant import Linear, fp8_linear, scaled_mm, scaled_mm_fits, weight_scale
 
 
 class RMSNorm(nn.Module):
@@ -178,14 +178,16 @@ class TritonOps(TorchOps):
     same bits at every row count; cuBLAS (the default) changes its reduction order with the row
     count for some shapes (kernels/matmul.py says which).
 
-    FP8 weights (`models.quant`): every projection is `kernels.matmul.linear` (the fp8 W widened
-    to x's dtype in registers; a row has the same bits at every M), except that at up to
-    `GEMV_ROWS` 16-bit rows without `batch_invariant` it is `kernels.gemv.fp8_gemv`, which reads
-    the weights at memory speed but sums in another order: there a request's bits depend on
-    which side of `GEMV_ROWS` its step falls (as bf16's do past 64 rows under cuBLAS), and
-    `batch_invariant` keeps the one kernel at every row count. Past `GEMV_ROWS` the tiling then
-    follows the row count too (`kernels.matmul.fp8_tiling`; with `batch_invariant`, one tiling).
-    fp32 rows (the exactness runs) never take the GEMV and keep fp32's tiling.
+    FP8 weights (`models.quant`: activations quantized per row, W8A8): at up to `GEMV_ROWS`
+    16-bit rows `kernels.gemv.fp8_gemv`, which quantizes each row itself and reads the weights at
+    memory speed; past `SCALED_MM_ROWS` on Hopper, the rows quantized by
+    `kernels.e4m3.quantize_rows` and multiplied by cuBLAS (`models.quant.scaled_mm`, fp8 tensor
+    cores); in between, and wherever cuBLAS cannot (a row mask, fp16, older GPUs), the rows'
+    e4m3 values in x's dtype times the weight in `kernels.matmul.linear` (widened to bf16 in
+    registers; the tiling by row count, `kernels.matmul.fp8_tiling`). These sum in different
+    orders, so a request's bits depend on which side of those row counts its steps fall (as
+    bf16's do past 64 rows under cuBLAS). `batch_invariant` keeps `linear` under one tiling at
+    every row count, and so do fp32 rows (the exactness runs), under fp32's.
     """
 
     rotary_is_fused_ops = True
@@ -193,9 +195,10 @@ class TritonOps(TorchOps):
     # µs at 1, 4, 8 and 16 rows of Ouro-1.4B (docs/latency.md, "Norms and SiLU·up into the
     # matmuls"; 32 rows unmeasured).
     SWIGLU_ROWS = 16
-    # fp8 weights through the GEMV up to this many rows (docs/quantization.md, "FP8 weights at
-    # low concurrency").
-    GEMV_ROWS = 4
+    # fp8 weights through the GEMV up to the first, through cuBLAS's fp8 matmul past the second
+    # (docs/quantization.md, "Where it runs").
+    GEMV_ROWS = 2
+    SCALED_MM_ROWS = 16
 
     def __init__(self, batch_invariant: bool = False) -> None:
         from loopserve.kernels import fused_ops
@@ -235,23 +238,34 @@ class TritonOps(TorchOps):
         rows_wanted: torch.Tensor | None = None,
         swiglu: bool = False,
     ) -> torch.Tensor:
-        """`kernels.matmul.linear`, or for fp8 weights at few 16-bit rows `kernels.gemv`."""
+        """`kernels.matmul.linear`; fp8 weights as the class docstring says."""
+        from loopserve.kernels.matmul import fp8_tiling, linear
+
         scale = weight_scale(layer)
-        if (
-            scale is not None
-            and not self.batch_invariant
-            and x.dtype != torch.float32
-            and x.shape[0] <= self.GEMV_ROWS
-        ):
+        if scale is None:
+            return linear(x, layer.weight, rows_wanted=rows_wanted, swiglu=swiglu)
+        rows = x.shape[0]
+        invariant = self.batch_invariant or x.dtype == torch.float32
+        if not invariant and rows <= self.GEMV_ROWS:
             from loopserve.kernels.gemv import fp8_gemv
 
             return fp8_gemv(x, layer.weight, scale, rows_wanted, swiglu=swiglu)
-        from loopserve.kernels.matmul import fp8_tiling, linear
+        from loopserve.kernels.e4m3 import quantize_rows
 
-        tiling = None
-        if scale is not None and x.dtype != torch.float32:
-            tiling = fp8_tiling(x.shape[0], self.batch_invariant)
-        return linear(x, layer.weight, tiling, rows_wanted, swiglu=swiglu, scale=scale)
+        if (
+            not invariant
+            and rows > self.SCALED_MM_ROWS
+            and rows_wanted is None
+            and scaled_mm_fits(x, layer.weight)
+        ):
+            out = scaled_mm(*quantize_rows(x), layer.weight, scale)
+            return self.silu_mul(*out.chunk(2, dim=-1)) if swiglu else out
+        # The e4m3 values in x's dtype (exact), which the matmul multiplies as it would x.
+        x_grid, x_scale = quantize_rows(x, x.dtype)
+        tiling = None if x.dtype == torch.float32 else fp8_tiling(rows, invariant)
+        return linear(
+            x_grid, layer.weight, tiling, rows_wanted, swiglu=swiglu, scale=scale, x_scale=x_scale
+        )
 
     def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         if weight_scale(layer) is None:

@@ -1,18 +1,22 @@
-"""FP8 weights: a layer's projections stored as float8 e4m3 with one fp32 scale per output row.
+"""FP8 weights: a layer's projections stored as float8 e4m3 with one fp32 scale per output row,
+and their activations quantized per token as they are multiplied (dynamic W8A8, vLLM's fp8).
 
-Owns: the rule that quantizes a weight (`quantize_weight`), the module that holds one
-(`Fp8Linear`), which of a model's matmuls are quantized (`quantize_model`), the torch math of an
-fp8 projection (`fp8_linear`, what the CPU and the serial reference run) and the one-matmul
-concatenation of projections (`fused_linear`). Must not: import triton (`models.ops.TritonOps`
-runs `kernels.matmul.linear` on the same rule).
+Owns: the rules that quantize a weight (`quantize_weight`) and a projection's input
+(`quantize_activations`), the module that holds a quantized weight (`Fp8Linear`), which of a
+model's matmuls are quantized (`quantize_model`), the torch math of an fp8 projection
+(`fp8_linear`, what the CPU and the serial reference run; `scaled_mm`, cuBLAS's fp8 matmul on
+Hopper) and the one-matmul concatenation of projections (`fused_linear`). Must not: import triton
+(`models.ops.TritonOps` runs the kernels that follow the same rules).
 
-The rule (docs/quantization.md). Row n of W gets scale s[n] = max |W[n, :]| / 448 (1 for a row of
-zeros), and W8[n, :] = W[n, :] / s[n] rounded to the nearest e4m3 value (ties to even,
-saturating at +-448: `kv.storage.to_cache_dtype`, the fp8 KV cache's rule). A projection is
-    y[m, n] = round_to_x's_dtype( (sum over k of x[m, k] * W8[n, k], in fp32) * s[n] ),
-so activations stay in the model's dtype (weight-only quantization, like vLLM's fp8 on GPUs
-without fp8 matmuls): x times an e4m3 value is exact in fp32, every row's sum is its own (no
-activation scale shared across rows), and a row's bits can stay independent of its batch.
+The rules (docs/quantization.md). Row n of W gets scale s[n] = max |W[n, :]| / 448 (1 for a row
+of zeros), and W8[n, :] = W[n, :] / s[n] rounded to the nearest e4m3 value (ties to even,
+saturating at +-448: `kv.storage.to_cache_dtype`, the fp8 KV cache's rule). Row m of a
+projection's input x gets t[m] = max |x[m, :]| * fp32(1 / 448) and x8[m, :] = x[m, :] *
+(448 / max |x[m, :]|) rounded the same way (1 and 1 for a row of zeros), so every token has its
+own scale. Then
+    y[m, n] = round_to_x's_dtype( ((sum over k of x8[m, k] * W8[n, k]) * t[m]) * s[n] ),
+the sum in fp32 (a product of two e4m3 values is exact there). A row's value depends on that row
+alone, so it can stay independent of its batch where the kernel's summation order does.
 Quantized: every bias-free linear of the decoder layers (vLLM's choice: not the LM head, the
 embeddings or the exit gate, which stays fp32 and reads the unquantized hidden state).
 """
@@ -39,14 +43,55 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_cache_dtype(values / scale[:, None], FP8), scale
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (x8 [M, K] float8 e4m3, t [M] fp32), one scale per row:
+    t = max |x[m, :]| times fp32(1 / 448) and x8 = x times 448 / max |x[m, :]| (a correctly
+    rounded division; 1 and 1 for a row of zeros), saturated and rounded as `to_cache_dtype` does.
+    (Not amax / 448 for t: torch on CUDA divides by a scalar as a multiplication by its
+    reciprocal, so that division's bits would depend on the device.)"""
+    values = x.float()
+    amax = values.abs().amax(dim=1)
+    positive = amax > 0
+    scale = torch.where(positive, amax * (1 / FP8_MAX), 1.0)
+    # A tensor divided by a tensor: `FP8_MAX / amax` would be amax.reciprocal() * 448, rounded
+    # twice.
+    inverse = torch.where(positive, torch.full_like(amax, FP8_MAX) / amax, 1.0)
+    return to_cache_dtype(values, FP8, inverse[:, None]), scale
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x W8^T) * s, the products summed in fp32 and rounded to x's dtype once, at the end.
+    """x quantized per row (`quantize_activations`) times W8^T, the sum scaled by the row's scale
+    and then by W's, rounded to x's dtype once, at the end.
 
     On the CPU, the emulation the tests hold the engine to, the sums are fp64 (rounded to fp32,
     then to x's dtype): the CPU's BLAS blocks fp32 sums by the output width, so a fused
     projection and its parts would differ in the last bit of fp32 outputs."""
+    x8, x_scale = quantize_activations(x)
     wide = torch.float64 if x.device.type == "cpu" else torch.float32
-    return (F.linear(x.to(wide), weight.to(wide)) * scale).float().to(x.dtype)
+    sums = F.linear(x8.to(wide), weight.to(wide))
+    return (sums * x_scale.to(wide)[:, None] * scale.to(wide)).float().to(x.dtype)
+
+
+def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `scaled_mm` runs x [M, K] by an fp8 W [N, K]: cuBLAS's fp8 matmul with a scale per
+    row and per column needs a Hopper GPU (or newer), bf16 output and K, N multiples of 16."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and x.shape[1] % 16 == 0
+        and weight.shape[0] % 16 == 0
+    )
+
+
+def scaled_mm(
+    x8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """`fp8_linear` from already quantized rows, through `torch._scaled_mm` (bf16 out; cuBLAS
+    sums and applies the two scales in its own order, so the bits are not the Triton kernels')."""
+    return torch._scaled_mm(
+        x8, weight.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=torch.bfloat16
+    )
 
 
 class Fp8Linear(nn.Module):

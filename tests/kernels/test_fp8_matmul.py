@@ -1,7 +1,8 @@
-"""`kernels.matmul.linear` with fp8 weights (`models.quant`): the fp32 sums of x times the e4m3
-values, scaled per row, rounded to x's dtype once; SiLU·up and row masks on top; and on the GPU a
-row's bits the same at every row count and tiling, at Ouro-1.4B's shapes too (what keeps the
-engine equal to the serial reference with `quantization="fp8"`)."""
+"""`kernels.matmul.linear` with fp8 weights and rows quantized per token (`models.quant`; the rows'
+e4m3 values held in the model's dtype): the fp32 sums, scaled by the row's scale and then W's,
+rounded to x's dtype once; SiLU·up and row masks on top; and on the GPU a row's bits the same at
+every row count and tiling, at Ouro-1.4B's shapes too (what keeps the engine equal to the serial
+reference with `quantization="fp8"`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from loopserve.kernels.matmul import (
     tiling_for,
 )
 from loopserve.kv.storage import FP8
-from loopserve.models.quant import fp8_linear, quantize_weight
+from loopserve.models.quant import fp8_linear, quantize_activations, quantize_weight
 from tests.kernels.conftest import ON_GPU
 from tests.kernels.test_matmul import ROW_COUNTS, TILINGS, _data
 
@@ -32,14 +33,28 @@ def _fp8_operands(
 
 
 def _exact(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.double() @ weight.double().t()) * scale.double()
+    """`fp8_linear`'s values in fp64, unrounded."""
+    x8, x_scale = quantize_activations(x)
+    return (x8.double() @ weight.double().t()) * x_scale.double()[:, None] * scale.double()
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    tiling: Tiling | None = None,
+    **options: object,
+) -> torch.Tensor:
+    """`linear` of x's rows quantized per token (their e4m3 values in x's dtype) by an fp8 W."""
+    x8, x_scale = quantize_activations(x)
+    return linear(x8.to(x.dtype), weight, tiling, scale=scale, x_scale=x_scale, **options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("depth", [300, 512])  # a K tail in every tiling; none
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_values_are_scaled_sums(device: torch.device, dtype: torch.dtype, depth: int) -> None:
     x, weight, scale = _fp8_operands(5, depth, 40, dtype, device)  # an N tail too
-    got = linear(x, weight, scale=scale)
+    got = _linear(x, weight, scale)
     assert got.dtype == dtype and got.shape == (5, 40)
     tolerance = (
         {"rtol": 1e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
@@ -55,8 +70,8 @@ def test_swiglu_scales_each_half_by_its_rows(device: torch.device, dtype: torch.
     x, weight, scale = _fp8_operands(19, 300, 2 * 24, dtype, device)
     scale = scale * torch.linspace(0.5, 2.0, scale.numel(), device=device)
     tiling = Tiling(16, 32, 128, 4, 3)
-    gate, up = linear(x, weight, tiling, scale=scale).chunk(2, dim=-1)
-    got = linear(x, weight, tiling, swiglu=True, scale=scale)
+    gate, up = _linear(x, weight, scale, tiling).chunk(2, dim=-1)
+    got = _linear(x, weight, scale, tiling, swiglu=True)
     expected = silu_mul(gate.contiguous(), up.contiguous())
     if ON_GPU or dtype == torch.bfloat16:
         assert torch.equal(got, expected)
@@ -69,33 +84,40 @@ def test_rows_wanted_keeps_their_values_and_zeroes_the_rest(device: torch.device
     wanted = torch.zeros(17, dtype=torch.bool, device=device)
     wanted[[0, 5, 15]] = True
     tiling = Tiling(16, 16, 32, 4, 2)
-    every = linear(x, weight, tiling, scale=scale)
-    some = linear(x, weight, tiling, rows_wanted=wanted, scale=scale, out_dtype=torch.float32)
+    every = _linear(x, weight, scale, tiling)
+    some = _linear(x, weight, scale, tiling, rows_wanted=wanted, out_dtype=torch.float32)
     assert torch.equal(some[wanted], every[wanted].float()) and not some[~wanted].any()
 
 
-def test_refuses_a_missing_or_misshapen_scale(device: torch.device) -> None:
+def test_refuses_missing_or_misshapen_scales(device: torch.device) -> None:
     x, weight, scale = _fp8_operands(2, 64, 16, torch.bfloat16, device)
-    with pytest.raises(ValueError, match=r"needs an fp32 \[16\] scale"):
-        linear(x, weight)
-    with pytest.raises(ValueError, match=r"needs an fp32 \[16\] scale"):
-        linear(x, weight, scale=scale[:8])
-    with pytest.raises(ValueError, match=r"needs an fp32 \[16\] scale"):
-        linear(x, weight, scale=scale.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="needs no scale"):
+    x8, x_scale = quantize_activations(x)
+    grid = x8.to(x.dtype)
+    needs = r"needs fp32 scales \[2\] \(x_scale\) and \[16\] \(scale\)"
+    with pytest.raises(ValueError, match=needs):
+        linear(grid, weight, x_scale=x_scale)
+    with pytest.raises(ValueError, match=needs):
+        linear(grid, weight, scale=scale)
+    with pytest.raises(ValueError, match=needs):
+        linear(grid, weight, scale=scale[:8], x_scale=x_scale)
+    with pytest.raises(ValueError, match=needs):
+        linear(grid, weight, scale=scale, x_scale=x_scale.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="x not float8"):
+        linear(x8, weight, scale=scale, x_scale=x_scale)
+    with pytest.raises(ValueError, match="takes no scales"):
         linear(x, weight.to(torch.bfloat16), scale=scale)
 
 
 @pytest.mark.gpu
 def test_rows_have_their_alone_bits_at_every_row_count_and_tiling(device: torch.device) -> None:
     x, weight, scale = _fp8_operands(ROW_COUNTS[-1], 600, 80, torch.bfloat16, device)
-    alone = {row: linear(x[row : row + 1], weight, scale=scale)[0] for row in (0, 15, 16, 64, 299)}
+    alone = {row: _linear(x[row : row + 1], weight, scale)[0] for row in (0, 15, 16, 64, 299)}
     for rows in ROW_COUNTS:
-        out = linear(x[:rows], weight, scale=scale)
+        out = _linear(x[:rows], weight, scale)
         for row, bits in alone.items():
             if row < rows:
                 assert torch.equal(out[row], bits), f"row {row} of {rows}"
-    every = [linear(x[:70], weight, tiling, scale=scale) for tiling in TILINGS]
+    every = [_linear(x[:70], weight, scale, tiling) for tiling in TILINGS]
     for tiling, result in zip(TILINGS[1:], every[1:], strict=True):
         assert torch.equal(result, every[0]), tiling
 
@@ -108,9 +130,9 @@ def test_ouro_projections_on_the_gpu(device: torch.device) -> None:
     for columns, depth in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
         x, weight, scale = _fp8_operands(512, depth, columns, torch.bfloat16, device)
         assert weight.dtype == FP8 and tiling_for(1, columns, FP8) == FP8_TILING
-        alone = {row: linear(x[row : row + 1], weight, scale=scale)[0] for row in (0, 17, 511)}
+        alone = {row: _linear(x[row : row + 1], weight, scale)[0] for row in (0, 17, 511)}
         for rows in (1, 2, 8, 16, 17, 64, 128, 129, 512):
-            out = linear(x[:rows], weight, scale=scale)
+            out = _linear(x[:rows], weight, scale)
             for row, bits in alone.items():
                 if row < rows:
                     assert torch.equal(out[row], bits), (columns, depth, rows, row)

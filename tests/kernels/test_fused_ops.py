@@ -132,13 +132,17 @@ def test_fp8_projections_match_torch(dtype: torch.dtype, device: torch.device) -
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_fp8_rows_take_the_gemv_up_to_gemv_rows(
+def test_fp8_rows_take_the_gemv_then_linear_then_scaled_mm(
     device: torch.device, batch_invariant: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """16-bit rows of fp8 projections: `kernels.gemv` up to GEMV_ROWS (not with
-    `batch_invariant`), `kernels.matmul.linear` past it; fp32 rows never take the GEMV. (The two
-    kernels' bits differ on the GPU only, so which one ran is recorded, not inferred.)"""
+    """16-bit rows of fp8 projections: `kernels.gemv` up to GEMV_ROWS, cuBLAS's fp8 matmul on
+    quantized rows past SCALED_MM_ROWS (`scaled_mm`, where it fits: made to fit here, and run by
+    torch on the CPU), `kernels.matmul.linear` in between, where cuBLAS does not fit or a row mask
+    asks for it; `batch_invariant` and fp32 rows keep `linear` throughout. Every path gives the
+    torch values. (The kernels' bits differ on the GPU only, so which one ran is recorded, not
+    inferred.)"""
     from loopserve.kernels import gemv, matmul
+    from loopserve.models import ops as ops_module
 
     calls: list[str] = []
 
@@ -151,23 +155,42 @@ def test_fp8_rows_take_the_gemv_up_to_gemv_rows(
 
     monkeypatch.setattr(gemv, "fp8_gemv", spy("gemv", gemv.fp8_gemv))
     monkeypatch.setattr(matmul, "linear", spy("linear", matmul.linear))
+    monkeypatch.setattr(ops_module, "scaled_mm", spy("scaled_mm", ops_module.scaled_mm))
     torch.manual_seed(7)
     layer = _projection(2 * 48, 96, torch.bfloat16, device, fp8=True)
     ops = TritonOps(batch_invariant=batch_invariant)
-    for rows in (1, ops.GEMV_ROWS, ops.GEMV_ROWS + 1):
+    fits = {"now": True}
+    monkeypatch.setattr(ops_module, "scaled_mm_fits", lambda x, weight: fits["now"])
+    cases = [(1, True), (ops.GEMV_ROWS, True), (ops.GEMV_ROWS + 1, True), (17, False), (17, True)]
+    for rows, cublas_fits in cases:
+        fits["now"] = cublas_fits
         x = torch.randn(rows, 96).to(device=device, dtype=torch.bfloat16)
         calls.clear()
         every = ops.down_proj(x, layer)
-        ops.linear(x, layer), ops.swiglu(x, layer)
+        close(every, TorchOps().down_proj(x, layer))
+        close(ops.swiglu(x, layer), TorchOps().swiglu(x, layer))
+        ops.linear(x, layer)
         wanted = torch.arange(rows, device=device) % 2 == 0
         masked = ops.stage_linear(x, layer, wanted)
-        expected = "gemv" if rows <= ops.GEMV_ROWS and not batch_invariant else "linear"
-        assert calls == [expected] * 4, rows
-        assert torch.equal(masked[wanted], every[wanted]) and not masked[~wanted].any()
-        close(every, TorchOps().down_proj(x, layer))
+        if (
+            batch_invariant
+            or (rows > ops.GEMV_ROWS and not cublas_fits)
+            or ops.GEMV_ROWS < rows <= ops.SCALED_MM_ROWS
+        ):
+            assert calls == ["linear"] * 4, rows
+            assert torch.equal(masked[wanted], every[wanted])
+        elif rows <= ops.GEMV_ROWS:
+            assert calls == ["gemv"] * 4, rows
+            assert torch.equal(masked[wanted], every[wanted])
+        else:
+            assert calls == ["scaled_mm"] * 3 + ["linear"], rows
+            close(masked[wanted], every[wanted])
+        assert not masked[~wanted].any()
     calls.clear()
+    fits["now"] = True
     ops.linear(torch.randn(2, 96, device=device), layer)
-    assert calls == ["linear"]
+    ops.linear(torch.randn(17, 96, device=device), layer)
+    assert calls == ["linear", "linear"]
 
 
 @pytest.mark.parametrize(("batch_invariant", "fp8"), [(False, False), (True, False), (False, True)])

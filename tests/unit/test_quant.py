@@ -1,6 +1,7 @@
-"""FP8 weights' rule (`models.quant`): one scale per output row, e4m3 rounding to nearest even
-with saturation, which projections are quantized, fused projections keeping their parts' bits,
-and the setting checked at the boundary."""
+"""FP8's rules (`models.quant`): one scale per weight row and one per activation row, e4m3
+rounding to nearest even with saturation, the projection's sums and scales, which projections are
+quantized, fused projections keeping their parts' bits, and the setting checked at the
+boundary."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from loopserve.models.quant import (
     fp8_linear,
     fused_linear,
     quantization_of,
+    quantize_activations,
     quantize_model,
     quantize_weight,
+    scaled_mm,
 )
 from tests.conftest import TINY_CONFIG
 
@@ -43,13 +46,48 @@ def test_rounding_is_to_nearest_even() -> None:
     assert weight8.float().tolist() == [[448.0, 10.0, 10.0, 16.0, -10.0]]
 
 
-def test_fp8_linear_sums_in_fp32_and_rounds_once() -> None:
+def test_each_activation_row_gets_its_own_scale() -> None:
+    """t = max |x[m]| * (1 / 448) and x8 = x * (448 / max |x[m]|), rounded to nearest even: a row's
+    largest value lands on +-448, a row of zeros keeps scale 1, and one row's values never move
+    another's."""
+    x = torch.randn(5, 40) * torch.tensor([1e-4, 1.0, 30.0, 0.0, 1e4])[:, None]
+    x[1, 7] = -5.0  # row 1's largest is negative
+    x8, scale = quantize_activations(x.to(torch.bfloat16))
+    assert x8.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (5,)
+    amax = x.to(torch.bfloat16).float().abs().amax(dim=1)
+    assert torch.equal(scale[[0, 1, 2, 4]], amax[[0, 1, 2, 4]] * (1 / FP8_MAX))
+    assert scale[3] == 1.0 and not x8[3].float().any()
+    assert x8[1, 7].item() == -FP8_MAX
+    assert torch.equal(x8.float().abs().amax(dim=1)[[0, 1, 2, 4]], torch.full((4,), FP8_MAX))
+    alone = quantize_activations(x[2:3].to(torch.bfloat16))
+    assert torch.equal(alone[0].float(), x8[2:3].float()) and torch.equal(alone[1], scale[2:3])
+    # 448 / 896 = 0.5 exactly: 19 * 0.5 = 9.5 lies halfway between 9 and 10 -> the even 10
+    halves = quantize_activations(torch.tensor([[896.0, 19.0, -21.0]]))[0]
+    assert halves.float().tolist() == [[448.0, 10.0, -10.0]]
+
+
+def test_fp8_linear_quantizes_the_rows_sums_exactly_and_rounds_once() -> None:
     weight8, scale = quantize_weight(torch.randn(8, 32))
     x = torch.randn(3, 32).to(torch.bfloat16)
     got = fp8_linear(x, weight8, scale)
     assert got.dtype == torch.bfloat16
-    exact = (x.double() @ weight8.double().t()) * scale.double()
+    x8, x_scale = quantize_activations(x)
+    exact = (x8.double() @ weight8.double().t()) * x_scale.double()[:, None] * scale.double()
     assert torch.equal(got, exact.float().to(torch.bfloat16))
+    unquantized = (x.double() @ weight8.double().t()) * scale.double()
+    assert not torch.equal(got, unquantized.float().to(torch.bfloat16))  # x was quantized
+
+
+def test_scaled_mm_computes_fp8_linear_s_values() -> None:
+    """cuBLAS's fp8 matmul (torch's CPU one where there is no GPU; torch 2.11's CPU took only
+    one scale per tensor) on the quantized rows: `fp8_linear`'s values to bf16 rounding (its sums
+    and scaling run in their own order)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weight8, scale = quantize_weight(torch.randn(48, 64, device=device))
+    x = torch.randn(32, 64, device=device).to(torch.bfloat16)
+    got = scaled_mm(*quantize_activations(x), weight8, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (32, 48)
+    torch.testing.assert_close(got, fp8_linear(x, weight8, scale), rtol=1e-2, atol=1e-2)
 
 
 def test_fused_fp8_projections_keep_their_parts_bits() -> None:

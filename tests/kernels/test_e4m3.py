@@ -1,0 +1,56 @@
+"""`kernels.e4m3.quantize_rows`: fp8 activations, bit for bit as `models.quant.quantize_activations`
+quantizes them (each row's scale from its largest |x|, correctly rounded divisions, e4m3 rounding
+to nearest even with the sign of zero kept)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve.kernels.e4m3 import MAX_ROW, quantize_rows
+from loopserve.models.quant import quantize_activations
+
+
+def _rows(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rows spanning e4m3's subnormals to large values, a row of zeros (signed), a row whose
+    largest value is negative, and rows with ties after scaling."""
+    generator = torch.Generator().manual_seed(3)
+    spread = torch.randn(6, 300, generator=generator)
+    spread *= torch.tensor([1e-3, 0.5, 40.0, 3e3, 1.0, 7.0])[:, None]
+    spread[4, 11] = -9.0
+    zeros = torch.zeros(1, 300)
+    zeros[0, ::2] = -0.0
+    ties = torch.tensor([896.0, 19.0, -21.0, 17.0, -0.0, 1e-6] * 50)[None, :]
+    # Many largest values: 448 / amax once rounded differs from amax's reciprocal times 448 for
+    # some of them (what torch's `448 / tensor` computes), and a mix-up shows.
+    many = torch.randn(512, 300, generator=generator) * torch.rand(512, 1, generator=generator)
+    return torch.cat([spread, zeros, ties, many]).to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_are_quantized_as_torch_quantizes_them(
+    dtype: torch.dtype, device: torch.device
+) -> None:
+    x = _rows(dtype, device)
+    got, scale = quantize_rows(x)
+    expected, expected_scale = quantize_activations(x)
+    assert got.dtype == expected.dtype and torch.equal(scale, expected_scale)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # -0 stays -0
+    in_x_dtype, same_scale = quantize_rows(x, dtype)  # the same values, held in x's dtype
+    assert in_x_dtype.dtype == dtype and torch.equal(same_scale, expected_scale)
+    assert torch.equal(in_x_dtype, expected.to(dtype))
+    assert torch.equal(in_x_dtype.signbit(), expected.float().signbit())
+
+
+def test_strided_rows_and_the_limits(device: torch.device) -> None:
+    x = _rows(torch.bfloat16, device)
+    wide = torch.cat([x, x], dim=1)[:, 300:]  # rows 600 apart
+    got, scale = quantize_rows(wide)
+    expected, expected_scale = quantize_activations(x)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
+    assert quantize_rows(x[:0])[0].shape == (0, 300)
+    with pytest.raises(ValueError, match=f"rows of at most {MAX_ROW} contiguous values"):
+        quantize_rows(x.t())
+    with pytest.raises(ValueError, match="stores float8 or x's dtype"):
+        quantize_rows(x, torch.float16)
