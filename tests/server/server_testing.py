@@ -99,11 +99,16 @@ class RunningServer:
 
 @contextmanager
 def serve_in_thread(
-    model: Path, engine: dict[str, Any] | None = None, **server_options: Any
+    model: Path,
+    engine: dict[str, Any] | None = None,
+    *,
+    engine_process: bool = False,
+    **server_options: Any,
 ) -> Iterator[RunningServer]:
     """Run `loopserve serve` in-process on a free port until the block ends (`engine`: engine
-    options that replace `engine_options()`'s; `engine_process=True`: the engine in a child
-    process, as `--engine-process`)."""
+    options that replace `engine_options()`'s). The engine runs in a thread of this process, as
+    `--no-engine-process`, unless `engine_process` (the server's default, a spawned child: each
+    takes a second or two to start, so only the tests about it ask for it)."""
     import uvicorn
 
     from loopserve.config import EngineConfig
@@ -113,7 +118,12 @@ def serve_in_thread(
     from loopserve.entrypoints.openai.engine_process import EngineChild
     from loopserve.entrypoints.openai.server import bind_socket, uvicorn_config
 
-    config = ServerConfig(served_model_names=("tiny",), log_level="warning", **server_options)
+    config = ServerConfig(
+        served_model_names=("tiny",),
+        log_level="warning",
+        engine_process=engine_process,
+        **server_options,
+    )
     options = engine_options() | (engine or {})
     engine_config = EngineConfig.from_options(model=str(model), **options)
     built = EngineChild.spawn(engine_config) if config.engine_process else Engine(engine_config)
@@ -145,6 +155,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def engine_processes(parent: int) -> list[int]:
+    """Pids of `parent`'s children started by multiprocessing's spawn (an engine process)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline") as cmdline:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and "spawn_main" in cmdline.read():
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def sigint_as_default() -> None:
     """`preexec_fn` of a child that must see Ctrl-C: a shell's background job (a CI script started
     with `&`, say) runs with SIGINT ignored, children inherit that, and Python then leaves it
@@ -156,7 +180,8 @@ def start_serve_process(
     model: Path, port: int, *flags: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """`loopserve serve --model MODEL --port PORT FLAGS...` (`env` added to this process's
-    environment), once /health answers 200."""
+    environment), once /health answers 200. Without `--no-engine-process` in FLAGS its engine
+    runs in a process of its own, the default."""
     command = [
         sys.executable, "-c", CLI, "serve", "--model", str(model), "--port", str(port),
         "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *flags,

@@ -9,7 +9,8 @@ server share the cores, and at twice that rate even trivial requests (a 405 on /
 stream by 2x whatever the server does with them; a request that starved the others (a prompt
 tokenized for seconds, 128 choices checked against 10,000 stop strings) stalls it far longer.
 For the same reason the server runs torch on one thread: torch's intra-op threads slow down
-several-fold whenever another process takes a core."""
+several-fold whenever another process takes a core. The server runs with its defaults, its engine
+in a process of its own."""
 
 from __future__ import annotations
 

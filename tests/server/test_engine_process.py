@@ -1,8 +1,9 @@
-"""`loopserve serve --engine-process`: the engine in a child process answers exactly as the engine
-thread does (completions and chat, streamed and whole, `n` > 1, logprobs, stop strings, token
-ids); a client that leaves mid-stream frees its request's KV pages; a refused setting is the same
-one-line error; an engine process that dies makes the server answer 503 (and /health fail), not
-hang."""
+"""The engine in a process of its own, `loopserve serve`'s default (`--no-engine-process`: in a
+thread): the engine in a child process answers exactly as the engine thread does (completions and
+chat, streamed and whole, `n` > 1, logprobs, stop strings, token ids); a client that leaves
+mid-stream frees its request's KV pages; a refused setting or a missing checkpoint is the same
+one-line error; an app that cannot start ends its engine process; an engine process that dies
+makes the server answer 503 (and /health fail), not hang."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from loopserve.config import EngineConfig
+from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.models.builtin import BUILTIN_MODEL_DIR
 
 from .server_testing import RunningServer, serve_in_thread
@@ -86,17 +89,63 @@ def test_a_client_that_leaves_frees_its_pages(servers: tuple[RunningServer, Runn
     assert separate.metrics()["loopserve:num_requests_running"] == 0
 
 
-def test_a_refused_setting_is_the_in_process_error() -> None:
+@pytest.mark.parametrize(
+    ("flags", "separate"),
+    [([], True), (["--engine-process"], True), (["--no-engine-process"], False)],
+    ids=["default", "engine-process", "no-engine-process"],
+)
+def test_serve_runs_the_engine_in_a_process_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], separate: bool
+) -> None:
+    from loopserve.entrypoints.cli import main
+    from loopserve.entrypoints.openai import server
+
+    configs: list[ServerConfig] = []
+
+    def run_server(engine: EngineConfig, config: ServerConfig, sock: Any, *args: Any) -> None:
+        sock.close()
+        configs.append(config)
+
+    monkeypatch.setattr(server, "run_server", run_server)
+    assert main(["serve", "--port", "0", "--device", "cpu", *flags]) == 0
+    assert [config.engine_process for config in configs] == [separate]
+    assert ServerConfig().engine_process
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_model_len": 10**6}, {"model": "/nonexistent/checkpoint"}],
+    ids=["setting", "missing-checkpoint"],
+)
+def test_a_refusal_is_the_in_process_error(options: dict[str, Any]) -> None:
+    """The same class (ValueError, FileNotFoundError: `loopserve` reports both in one line) and
+    the same message."""
     from loopserve import LLM
-    from loopserve.config import EngineConfig
     from loopserve.entrypoints.openai.engine_process import EngineChild
 
-    options = {"model": str(BUILTIN_MODEL_DIR), "max_model_len": 10**6}
-    with pytest.raises(ValueError) as in_process:
+    options = {"model": str(BUILTIN_MODEL_DIR)} | options
+    with pytest.raises((ValueError, FileNotFoundError)) as in_process:
         LLM(**options)
-    with pytest.raises(ValueError) as separate:
+    with pytest.raises(in_process.type) as separate:
         EngineChild.spawn(EngineConfig.from_options(**options))
     assert str(separate.value) == str(in_process.value)
+
+
+def test_an_app_that_cannot_start_ends_its_engine_process() -> None:
+    """A chat template that does not compile fails after the engine process started: the error
+    comes back and the process ends (it kept `loopserve serve` from exiting)."""
+    from loopserve.entrypoints.openai.server import bind_socket, run_server
+
+    before = set(multiprocessing.active_children())
+    engine = EngineConfig.from_options(model=str(BUILTIN_MODEL_DIR), num_kv_pages=64)
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        with pytest.raises(ValueError, match="chat template does not compile"):
+            config = ServerConfig(chat_template="{% for x in %}", engine_process=True)
+            run_server(engine, config, sock)
+    finally:
+        sock.close()
+    assert set(multiprocessing.active_children()) == before
 
 
 def test_a_dead_engine_process_gets_503_not_a_hang() -> None:

@@ -15,30 +15,18 @@ import time
 import httpx
 import pytest
 
-from .server_testing import CLI
-
-
-def _engine_processes(parent: int) -> list[int]:
-    """Pids of `parent`'s children started by multiprocessing's spawn (an engine process)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline") as cmdline:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-                if ppid == parent and "spawn_main" in cmdline.read():
-                    found.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+from .server_testing import CLI, engine_processes
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["engine-thread", "engine-process"])
 def test_serve_prints_the_address_it_listens_on(separate: bool) -> None:
-    """With `--engine-process` too, and then SIGTERM ends the engine process with the server."""
+    """With the engine in a process of its own (the default: one spawned child, which SIGTERM
+    ends with the server) and in a thread (`--no-engine-process`: no child); either way the
+    engine's log records reach stderr as --log-level asks."""
     command = [
-        sys.executable, "-c", CLI, "serve", "--model", "ouro-tiny", "--port", "0",
-        "--device", "cpu", "--num-kv-pages", "64", "--uvicorn-log-level", "warning",
-        *(["--engine-process"] if separate else []),
+        sys.executable, "-c", CLI, "--log-level", "info", "serve", "--model", "ouro-tiny",
+        "--port", "0", "--device", "cpu", "--num-kv-pages", "64", "--uvicorn-log-level", "warning",
+        *([] if separate else ["--no-engine-process"]),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     children: list[int] = []
@@ -53,7 +41,7 @@ def test_serve_prints_the_address_it_listens_on(separate: bool) -> None:
         assert int(match[2]) != 0
         # Printed once the model has loaded: the address answers at once.
         assert httpx.get(match[1] + "/health", timeout=10).status_code == 200
-        children = _engine_processes(process.pid)
+        children = engine_processes(process.pid)
         assert len(children) == int(separate)
     finally:
         process.terminate()
@@ -66,6 +54,8 @@ def test_serve_prints_the_address_it_listens_on(separate: bool) -> None:
     while any(os.path.exists(f"/proc/{pid}") for pid in children):
         assert time.monotonic() < deadline, "the engine process outlived the server"
         time.sleep(0.1)
+    assert process.stderr is not None
+    assert "INFO loopserve.models.loader: loaded " in process.stderr.read()
 
 
 @pytest.mark.slow

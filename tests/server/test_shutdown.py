@@ -1,13 +1,16 @@
 """Graceful shutdown of `loopserve serve` (a real subprocess) on SIGTERM: a request that can
 finish within --shutdown-timeout completes; streams that cannot are aborted when the timeout
 passes and end cleanly with `finish_reason: "abort"`, non-streamed ones get 503; the process
-exits. The same with the engine in a process of its own (`--engine-process`)."""
+exits. The same with the engine in a process of its own (the default) and in a thread of the
+server (`--no-engine-process`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .server_testing import free_port, start_serve_process, write_tiny_model
+from .server_testing import (
+    CLI,
+    engine_processes,
+    free_port,
+    sigint_as_default,
+    start_serve_process,
+    write_tiny_model,
+)
 
 SHUTDOWN_TIMEOUT_S = 2
 LONG_MAX_TOKENS = 4000  # thousands of engine steps: cannot finish within the timeout
@@ -26,9 +36,9 @@ def _start_server(model: Path, port: int, *flags: str) -> subprocess.Popen[bytes
     return start_serve_process(model, port, *shutdown, *flags)
 
 
-# The engine in the server's thread, and in a process of its own (`--engine-process`).
+# The engine in the server's thread, and in a process of its own (the default).
 ENGINE_PLACES = pytest.mark.parametrize(
-    "flags", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"]
+    "flags", [["--no-engine-process"], []], ids=["engine-thread", "engine-process"]
 )
 
 
@@ -140,3 +150,35 @@ def test_ctrl_c_on_an_idle_server_is_one_line_and_exit_code_130(
     assert process.returncode == 130, text[-2000:]
     assert "Traceback" not in text and "CancelledError" not in text, text[-2000:]
     assert text.strip().splitlines() == ["loopserve serve: interrupted"]
+
+
+def test_ctrl_c_while_the_engine_process_starts_ends_it_at_once() -> None:
+    """Ctrl-C in a terminal reaches the whole process group, the engine process too: the server
+    stops waiting for the model and ends the engine process it started (which ignores the
+    signal from its start: no traceback from it), one line and exit code 130 as ever."""
+    command = [
+        sys.executable, "-c", CLI, "serve", "--model", "ouro-tiny", "--port", str(free_port()),
+        "--device", "cpu", "--num-kv-pages", "64", "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=sigint_as_default,
+        start_new_session=True,  # a process group of its own, as a terminal's job
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (children := engine_processes(process.pid)):
+            assert process.poll() is None and time.monotonic() < deadline, "no engine process"
+            time.sleep(0.01)
+        time.sleep(0.2)  # within the child's start-up (importing torch alone takes longer)
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = stderr.decode()
+    assert process.returncode == 130, text[-2000:]
+    assert text.strip().splitlines() == ["loopserve serve: interrupted"], text[-2000:]
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)

@@ -13,6 +13,7 @@ pytest.importorskip("fastapi", reason="the ingress needs the `serve` extra")
 
 from loopserve.config import EngineConfig
 from loopserve.entrypoints.cli import main
+from loopserve.entrypoints.openai.config import ServerConfig
 from loopserve.ray import app
 
 
@@ -87,3 +88,19 @@ def test_replicas_refuse_an_engine_process(capsys: pytest.CaptureFixture[str]) -
     error = capsys.readouterr().err
     assert error.startswith("loopserve serve: error: --engine-process is for the single-process")
     assert error.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--no-engine-process"]], ids=["default", "no-engine-process"]
+)
+def test_replicas_serve_with_the_default(monkeypatch: pytest.MonkeyPatch, flags: list[str]) -> None:
+    """The single-process server's default (an engine process) is no refusal: each replica keeps
+    its engine in its actor process, and the server config the replicas get says so."""
+    served: list[ServerConfig] = []
+
+    def serve_replicas(engine: EngineConfig, config: ServerConfig, *args: object) -> None:
+        served.append(config)
+
+    monkeypatch.setattr(app, "serve_replicas", serve_replicas)
+    assert main(["serve", "--replicas", "2", *flags]) == 0
+    assert [config.engine_process for config in served] == [False]

@@ -4,5 +4,5 @@ import sys
 
 from loopserve.entrypoints.cli import main
 
-if __name__ == "__main__":  # not when a spawned process (`serve --engine-process`) imports it
+if __name__ == "__main__":  # not when a spawned process (`serve`'s engine process) imports it
     sys.exit(main())

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server (`loopserve serve`, extra `serve`: fastapi, uvicorn, jinja2).
 
-Owns: the app, its protocol models, the serving logic, the engine thread (or the engine process,
-`--engine-process`), metrics and errors. Must not: be imported by `import loopserve` (the optional
-dependencies load only when serving), or touch the `Engine` from the event loop (only
-`engine_thread.EngineThread` does, or the engine process, `engine_process`).
+Owns: the app, its protocol models, the serving logic, the engine process (the default,
+`engine_process`) or the engine thread (`--no-engine-process`, `engine_thread`), metrics and
+errors. Must not: be imported by `import loopserve` (the optional dependencies load only when
+serving), or touch the `Engine` from the event loop (only the engine process does, or
+`engine_thread.EngineThread`).
 
 Request lifecycle: ASGI middlewares check the API key and the concurrency limit -> the handler
 reads the body within its size limit (`body`) -> on a worker thread: the JSON is parsed within its

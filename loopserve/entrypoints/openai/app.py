@@ -1,11 +1,12 @@
-"""The FastAPI application: routes, middlewares, error handlers and the engine thread's lifespan.
+"""The FastAPI application: routes, middlewares, error handlers and the engine link's lifespan.
 
 Owns: `build_app`, which wires one `ServingContext` into the routes (`/v1/completions`,
-`/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`), starts the engine thread with the
-app and stops it (aborting what is left) when the app shuts down (`running`, which a Ray replica
-enters itself: it serves the app without a lifespan); on SIGTERM it aborts what is
+`/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`) over an engine built in a process of
+its own (`EngineChild`) or in this one (`Engine`, then run by an engine thread), starts the engine
+link with the app and stops it (aborting what is left) when the app shuts down (`running`, which a
+Ray replica enters itself: it serves the app without a lifespan); on SIGTERM it aborts what is
 still running once the drain timeout has passed (`abort_after_drain`). Must not: hold module-level
-state (every app carries its own context) or call the engine (the engine thread owns it).
+state (every app carries its own context) or call the engine (the link owns it).
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ def serving_context(engine: Engine | EngineChild, config: ServerConfig) -> Servi
 
 @asynccontextmanager
 async def running(context: ServingContext) -> AsyncIterator[None]:
-    """The engine thread runs inside this block (delivering on the running event loop); on the
-    way out it stops, aborting what is left. The app's lifespan, and a Ray replica's life."""
+    """The engine link runs inside this block (the engine thread, or the engine process's
+    reader, delivering on the running event loop); on the way out it stops, aborting what is
+    left. The app's lifespan, and a Ray replica's life."""
     loop = asyncio.get_running_loop()
     context.engine.start(loop)
     restore_signals = abort_after_drain(loop, context.engine, context.config.shutdown_timeout_s)
@@ -182,7 +184,7 @@ def abort_after_drain(
 
     Graceful shutdown: the hook runs in front of the server's own signal handlers (uvicorn's,
     which stop accepting connections and wait for open ones, still run) and schedules
-    `EngineThread.request_stop` after the drain timeout: every request still running is then
+    the engine link's `request_stop` after the drain timeout: every request still running is then
     aborted and its client gets a final chunk with `finish_reason: "abort"` and `data: [DONE]`
     (a non-streaming one a 503), so connections close and the server can exit. Does nothing off
     the main thread (a server started in a thread handles no signals).

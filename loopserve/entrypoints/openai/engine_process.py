@@ -1,24 +1,27 @@
-"""The engine in a process of its own (`loopserve serve --engine-process`): `EngineThread`'s part
-played across a pipe, so the HTTP event loop and the engine no longer share an interpreter lock.
+"""The engine in a process of its own (`loopserve serve`'s default; `--no-engine-process` keeps it
+in a thread instead): `EngineThread`'s part played across a pipe, so the HTTP event loop and the
+engine no longer share an interpreter lock.
 
 Owns: starting the child (`EngineChild.spawn`: it builds the `Engine` and answers with the model's
-facts, or with the error that stopped it), the child's loop (`_ChildLoop`: commands in; per step
+facts, or with the error that stopped it; it logs as the server's process does) and ending it when
+no server runs it (`EngineChild.close`), the child's loop (`_ChildLoop`: commands in; per step
 one message out with what the outputs added, `output_deltas`, and a stats snapshot), and the
 server's side (`EngineProcess`: sends commands; a reader thread turns deltas back into outputs
 and hands them to the requests' queues through `engine_thread.OutputRouter`). Must not: touch the
 `Engine` from the server's process, or serve Ray replicas (they keep the engine in process).
 
 Why: in one process the engine thread and the event loop take turns on one interpreter lock. On
-an H100 at C=128 the server's engine thread spent 0.43 ms more CPU per step than offline and the
-event loop ~70 µs per token, so served throughput was 0.91 of offline (docs/server.md). Here the
-engine's process does the engine's work and pickles a few items per request and step.
+an H100 at C=128 (512/128, fixed depth) served throughput was 0.891 of offline with the engine
+thread and 0.959 with this process (docs/server.md). Here the engine's process does the engine's
+work and pickles a few items per request and step.
 
-Messages, child to server: ("ready", ModelInfo, EngineStats) | ("refused", text) (a ValueError
-while building: a bad setting or checkpoint) | ("failed", text) | ("added", add id, None or
-(text, is_value_error)) | ("outputs", [OutputDelta], EngineStats). Server to child: ("add", add
-id, [EngineRequest]) | ("abort", request ids) | ("stop",). The pipe keeps their order, so a
-request's "added" always comes before its first outputs. The child ignores SIGINT and SIGTERM
-(the server drains, then stops it by message) and exits when the pipe closes (the server died).
+Messages, child to server: ("ready", ModelInfo, EngineStats) | ("refused", class name, text) (a
+ValueError or FileNotFoundError while building: a bad setting or checkpoint) | ("failed", text) |
+("added", add id, None or (text, is_value_error)) | ("outputs", [OutputDelta], EngineStats).
+Server to child: ("add", add id, [EngineRequest]) | ("abort", request ids) | ("stop",). The pipe
+keeps their order, so a request's "added" always comes before its first outputs. The child
+ignores SIGINT and SIGTERM from its start (the server drains, then stops it by message) and exits
+when the pipe closes (the server died, or never served).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import logging
 import multiprocessing
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -57,6 +60,14 @@ logger = logging.getLogger(__name__)
 
 # Seconds `stop` waits for the child to end after its reader has, before terminating it.
 EXIT_GRACE_S = 10.0
+# What building the engine raises for a setting or checkpoint the user must fix (`loopserve`
+# reports them in one line); they cross the pipe by name and text and are raised again as such.
+REFUSALS: dict[str, type[Exception]] = {
+    "FileNotFoundError": FileNotFoundError,
+    "ValueError": ValueError,
+}
+# Signals the child ignores: Ctrl-C and SIGTERM to the process group are the server's to handle.
+CHILD_IGNORES = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +84,17 @@ class EngineChild:
         """Start the process and wait until its engine is built (the model loaded).
 
         Raises:
-            ValueError: the engine refused `config` (the message says why, as in process).
+            ValueError, FileNotFoundError: the engine refused `config` (the message says why, as
+                in process).
             RuntimeError: the process failed or died before its engine was ready.
         """
         context = multiprocessing.get_context("spawn")  # no fork: torch and threads are live
         connection, child_end = context.Pipe()
         process = context.Process(
-            target=_run_child, args=(config, child_end), name="loopserve-engine"
+            target=_run_child, args=(config, child_end, _log_setup()), name="loopserve-engine"
         )
-        process.start()
+        with _ignored_by_children():
+            process.start()
         child_end.close()
         try:
             message = connection.recv()
@@ -90,13 +103,23 @@ class EngineChild:
             raise RuntimeError(
                 f"the engine process exited (code {process.exitcode}) before its engine was built"
             ) from None
+        except BaseException:  # Ctrl-C while the model loads: stop loading it
+            connection.close()
+            _reap(process, grace_s=0.0)
+            raise
         if message[0] == "ready":
             return cls(process, connection, message[1], message[2])
         process.join()
         connection.close()
         if message[0] == "refused":
-            raise ValueError(message[1])
+            raise REFUSALS[message[1]](message[2])
         raise RuntimeError(f"the engine process failed to start: {message[1]}")
+
+    def close(self) -> None:
+        """End the process if no server stopped it (one that failed to start, say): its loop
+        ends when the pipe closes; killed after `EXIT_GRACE_S`. Harmless once it has ended."""
+        self.connection.close()
+        _reap(self.process, EXIT_GRACE_S)
 
 
 class EngineProcess:
@@ -155,12 +178,7 @@ class EngineProcess:
         self.request_stop()
         if self._reader is not None:
             self._reader.join(timeout)
-        process = self._child.process
-        process.join(EXIT_GRACE_S if timeout is None else min(timeout, EXIT_GRACE_S))
-        if process.is_alive():  # it ignores SIGTERM (see `_run_child`)
-            logger.warning("the engine process did not end; killing it")
-            process.kill()
-            process.join()
+        _reap(self._child.process, EXIT_GRACE_S if timeout is None else min(timeout, EXIT_GRACE_S))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         with self._lock:
@@ -230,20 +248,70 @@ class EngineProcess:
         self._child.connection.close()
 
 
+def _reap(process: BaseProcess, grace_s: float) -> None:
+    """Wait up to `grace_s` for `process` to end, then kill it (it ignores SIGTERM)."""
+    process.join(grace_s)
+    if process.is_alive():
+        if grace_s:
+            logger.warning("the engine process did not end; killing it")
+        process.kill()
+        process.join()
+
+
+@contextlib.contextmanager
+def _ignored_by_children() -> Iterator[None]:
+    """`CHILD_IGNORES` ignored while the block runs, so a process started in it ignores them
+    from its first instruction (an ignored signal stays ignored across exec, and Python leaves
+    it so): a Ctrl-C while the child's interpreter starts would otherwise end it with a
+    traceback. Main thread only (elsewhere signals cannot be changed, and nothing is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in CHILD_IGNORES}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+# The server's root logging, as the child repeats it: level, then the format and date format of
+# its first handler (None: it has none, and records go where Python's last resort sends them).
+_LogSetup = tuple[int, tuple[str, str | None] | None]
+
+
+def _log_setup() -> _LogSetup:
+    root = logging.getLogger()
+    if not root.handlers:
+        return root.level, None
+    formatter = root.handlers[0].formatter or logging.Formatter()
+    return root.level, (formatter._fmt or "%(message)s", formatter.datefmt)
+
+
 # ----- the child -------------------------------------------------------------------------------
 
 
-def _run_child(config: EngineConfig, connection: Connection) -> None:
+def _run_child(config: EngineConfig, connection: Connection, log_setup: _LogSetup) -> None:
     # Ctrl-C and SIGTERM to the process group are the server's: it drains its requests, which
     # needs the engine, then stops it by message. Should the server die, the pipe closes and the
-    # loop ends.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # loop ends. (Ignored from the start already when the server started it on its main thread.)
+    for number in CHILD_IGNORES:
+        signal.signal(number, signal.SIG_IGN)
+    # Spawned, this process has no logging set up: the engine's records (the checkpoint loaded,
+    # the attention backend, the model's defaults) go to the server's stderr as its own do.
+    level, handler_format = log_setup
+    logging.getLogger().setLevel(level)
+    if handler_format is not None:
+        try:
+            logging.basicConfig(format=handler_format[0], datefmt=handler_format[1])
+        except ValueError:  # a format of another style (`{`, `$`): the default format then
+            logging.basicConfig()
     try:
         engine = Engine(config)
         model = ModelInfo.of(engine)
-    except ValueError as error:
-        connection.send(("refused", str(error)))
+    except tuple(REFUSALS.values()) as error:
+        kind = next(name for name, refusal in REFUSALS.items() if isinstance(error, refusal))
+        connection.send(("refused", kind, str(error)))
         return
     except BaseException as error:
         connection.send(("failed", repr(error)))

@@ -1,7 +1,8 @@
 """Keeping the garbage collector's full collections off what start-up built.
 
-Owns: `objects_frozen`, entered once the model has loaded by the server's process and, with
-`--engine-process`, by the engine's. Must not: import the app or the engine.
+Owns: `objects_frozen`, entered once the model has loaded by the server's process and by the
+engine's process (the default; `--no-engine-process` keeps the engine in the server's). Must not:
+import the app or the engine.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Server metrics and their Prometheus text rendering (`GET /metrics`).
 
 Owns: latency and exit-depth histograms, finished-request counters, and rendering them with the
-engine's latest `EngineStats` snapshot. Observations come from the engine thread and rendering
-from the event loop; one lock guards the numbers. Must not: touch the engine (the engine thread
-hands over outputs and stats) or depend on prometheus_client.
+engine's latest `EngineStats` snapshot. Observations come from the thread that hands outputs
+over (the engine process's reader, or the engine thread) and rendering from the event loop; one
+lock guards the numbers. Must not: touch the engine (outputs and stats are handed over) or depend
+on prometheus_client.
 
 Names follow vLLM's with a `loopserve:` prefix; times are in seconds.
 """
@@ -129,7 +130,8 @@ class ServerMetrics:
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
 
     def observe(self, outputs: Iterable[tuple[RequestOutput, int]]) -> None:
-        """Record engine outputs, each with how many of its tokens are new (engine thread)."""
+        """Record engine outputs, each with how many of its tokens are new (the thread that
+        hands them over)."""
         with self._lock:
             for output, num_new in outputs:
                 self._observe_one(output, num_new)

@@ -7,7 +7,9 @@ loaded, so the URL answers at once; with port 0 it carries the port the system c
 or Ctrl-C uvicorn stops accepting connections and waits for open ones; the app lets in-flight
 requests finish for `shutdown_timeout_s`, then aborts the rest (their clients get
 `finish_reason: "abort"`); uvicorn cancels whatever is still open a few seconds later; the app's
-lifespan then stops the engine thread. Must not: parse command lines (the CLI does).
+lifespan then stops the engine: its process (`config.engine_process`, the default), or its thread.
+An engine process whose app never ran (a chat template that does not compile, say) is ended here.
+Must not: parse command lines (the CLI does).
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ def run_server(
     on_listening: Callable[[str], None] | None = None,
 ) -> None:
     """Load the model, then serve on `sock` (from `bind_socket`) until SIGTERM or Ctrl-C;
-    `on_listening(url)` runs once uvicorn accepts connections."""
+    `on_listening(url)` runs once uvicorn accepts connections. With `config.engine_process` (the
+    default) the engine is built in a spawned process, which imports the caller's main module:
+    a script calling this must do so under `if __name__ == "__main__":`."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -86,6 +90,10 @@ def run_server(
                 on_listening(socket_url(sock))
 
     engine = EngineChild.spawn(engine_config) if config.engine_process else Engine(engine_config)
-    app = build_app(engine, config)
-    with objects_frozen():
-        Server(uvicorn_config(app, config)).run(sockets=[sock])
+    try:
+        app = build_app(engine, config)
+        with objects_frozen():
+            Server(uvicorn_config(app, config)).run(sockets=[sock])
+    finally:
+        if isinstance(engine, EngineChild):  # stopped by the app, unless it never started
+            engine.close()
