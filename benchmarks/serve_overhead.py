@@ -3,7 +3,7 @@ the offline closed loop (`loopserve bench offline`'s `run_closed_loop`) on the s
 and workload, alternated offline, serve, serve, offline per round.
 
     python -m benchmarks.serve_overhead [--model DIR] [--device cuda] [--workload 512/128]
-        [--concurrency 128] [--exits fixed|trace] [--rounds 2] [--engine-process]
+        [--concurrency 128] [--exits fixed|trace] [--rounds 2] [--engine-thread]
         [--out FILE.jsonl]
 
 CPU reproduction (docs/server.md, "Where the server's host time goes"):
@@ -14,19 +14,18 @@ CPU reproduction (docs/server.md, "Where the server's host time goes"):
 A serve run is one closed-loop wave of 2 x C streamed requests (`bench serve --max-concurrency C`,
 greedy, EOS ignored, after an untimed wave of C short requests the first time); an offline run is
 the same wave handed to an engine in this process (greedy too). The server runs in a child
-process whose engine thread times every `Engine.step` (wall and thread CPU time); the offline
-loop times its steps the same way. Each run reports output tokens/s, the engine's steps, their
-mean wall and CPU time, the share of step wall time the engine thread was off the CPU and the
-share it was runnable but not running (its run-queue wait: other threads or processes held the
-cores); the rest of the time off the CPU it slept, on the interpreter lock (or on a GPU, in both
-modes alike). A serve run
-adds the CPU time per output token of the server's event-loop (main) thread, its engine thread,
-its other threads, and of the client (its start-up included). The last line is the summary:
-medians, and served over offline tokens/s.
-
-`--engine-process` serves with the engine in a process of its own: its steps are then not timed
-(they run in a spawned process), and a serve run reports that process's CPU per token instead
-(`engine_process_cpu_us_per_token`, all its threads).
+process with its defaults, so its engine runs in a process of its own (spawned by the server:
+it imports this module as `__mp_main__`, which times its steps); `--engine-thread` serves with
+`--no-engine-process` instead, the engine in a thread of the server. Either way the thread that
+runs the engine times every `Engine.step` (wall and thread CPU time); the offline loop times its
+steps the same way. Each run reports output tokens/s, the engine's steps, their mean wall and CPU
+time, the share of step wall time the engine thread was off the CPU and the share it was
+runnable but not running (its run-queue wait: other threads or processes held the cores); the
+rest of the time off the CPU it slept, on the interpreter lock (or on a GPU, in both modes
+alike). A serve run adds the CPU time per output token of the server's event-loop (main)
+thread, of the engine's thread (in whichever process), of the server's other threads, of every
+thread of the engine process (none with `--engine-thread`), and of the client (its start-up
+included). The last line is the summary: medians, and served over offline tokens/s.
 
 `--threads N` sets torch's intra-op threads (the child's OMP_NUM_THREADS too): on a small CPU
 box, 1 keeps the compute on the engine thread and leaves the other cores to the event loop and
@@ -39,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -53,17 +51,31 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jsonl import emit
+from benchmarks.proc_times import (
+    children_cpu_s,
+    process_cpu_s,
+    runqueue_wait_s,
+    spawned_children,
+    thread_cpu_s,
+)
 
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 300
+# Where a timed server's processes write their step totals (inherited by its engine process).
+STEPS_ENV = "SERVE_OVERHEAD_STEPS"
 
 
 class StepClock:
-    """Totals of the engine's steps: count, wall and thread-CPU seconds, and the native id of the
-    thread that ran them."""
+    """Totals of the engine's steps: count, wall and thread-CPU seconds, and the process id and
+    native id of the thread that ran them."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = {"steps": 0, "wall_s": 0.0, "cpu_s": 0.0, "thread": 0}
+        self.totals: dict[str, float] = {
+            "steps": 0,
+            "wall_s": 0.0,
+            "cpu_s": 0.0,
+            "pid": os.getpid(),
+            "thread": 0,
+        }
 
     def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
@@ -97,66 +109,32 @@ def steps_between(
     }
 
 
-def serve_child(stats_path: Path, serve_args: list[str]) -> int:
-    """`loopserve serve` with every Engine.step timed; the totals go to `stats_path` twice a s."""
+def time_steps(stats_path: Path) -> None:
+    """Time every Engine.step of this process; once one has run, the totals go to `stats_path`
+    twice a second (of a server's two processes only the one running the engine steps)."""
     from loopserve.engine.engine import Engine
-    from loopserve.entrypoints.cli import main as cli_main
 
     clock = StepClock()
     Engine.step = clock.wrap(Engine.step)  # type: ignore[method-assign]
 
     def report() -> None:
-        staged = stats_path.with_suffix(".tmp")
+        staged = stats_path.with_suffix(f".{os.getpid()}.tmp")
         while True:
-            staged.write_text(json.dumps(clock.totals))
-            staged.replace(stats_path)  # a reader never sees half a file
+            if clock.totals["steps"]:
+                staged.write_text(json.dumps(clock.totals))
+                staged.replace(stats_path)  # a reader never sees half a file
             time.sleep(0.5)
 
     threading.Thread(target=report, daemon=True).start()
+
+
+def serve_child(stats_path: Path, serve_args: list[str]) -> int:
+    """`loopserve serve` with every Engine.step timed, in this process or its engine process."""
+    from loopserve.entrypoints.cli import main as cli_main
+
+    os.environ[STEPS_ENV] = str(stats_path)
+    time_steps(stats_path)
     return cli_main(["serve", *serve_args])
-
-
-def spawned_children(pid: int) -> list[int]:
-    """Pids of `pid`'s children started by multiprocessing's spawn (the engine process of
-    `serve --engine-process`)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid and b"spawn_main" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def process_cpu_s(pids: list[int]) -> float:
-    """CPU seconds of every thread of these processes."""
-    return sum(sum(thread_cpu_s(pid).values()) for pid in pids)
-
-
-def thread_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of process `pid`, by native thread id."""
-    times = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
-            continue
-        times[int(task.name)] = (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-    return times
-
-
-def runqueue_wait_s(pid: int, tid: int) -> float:
-    """Seconds thread `tid` of process `pid` has waited, runnable, for a CPU (schedstat)."""
-    return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 class Server:
@@ -172,7 +150,7 @@ class Server:
             "--exit-mode", "trace", "--max-num-seqs", str(args.concurrency),
             "--max-concurrent-requests", "4096", "--uvicorn-log-level", "warning",
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            *(["--engine-process"] if args.engine_process else []),
+            *(["--no-engine-process"] if args.engine_thread else []),
         ]  # fmt: skip
         env = dict(os.environ)
         if args.threads is not None:
@@ -204,6 +182,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def steps(self) -> dict[str, float]:
+        """The step totals of the engine's thread (after the untimed wave: it has stepped)."""
         totals: dict[str, float] = json.loads(self.stats_path.read_text())
         return totals
 
@@ -237,44 +216,51 @@ def serve_run(
     args: argparse.Namespace, server: Server, extra: dict[str, Any], seed: int
 ) -> dict[str, Any]:
     pid = server.process.pid
-    time.sleep(1.0)  # the child's step totals are rewritten twice a second
-    steps_before, threads_before, client_before = (
-        server.steps(),
-        thread_cpu_s(pid),
-        children_cpu_s(),
-    )
-    # Known since the untimed wave; none in this process with --engine-process (the engine's
-    # process is spawned afresh and its steps are not timed: only tok/s and the loop's CPU).
-    engine_tid = int(steps_before["thread"]) or None
-    waited = runqueue_wait_s(pid, engine_tid) if engine_tid else 0.0
-    engine_processes = spawned_children(pid)
+    time.sleep(1.0)  # the step totals are rewritten twice a second
+    steps_before = server.steps()
+    # The engine's thread: the main thread of the engine process, or a thread of the server.
+    engine_pid, engine_tid = int(steps_before["pid"]), int(steps_before["thread"])
+    engine_processes = spawned_children(pid)  # none with --engine-thread
+    threads_before = thread_cpu_s(pid)
+    engine_before = thread_cpu_s(engine_pid)[engine_tid]
     engine_process_before = process_cpu_s(engine_processes)
+    waited = runqueue_wait_s(engine_pid, engine_tid)
+    client_before = children_cpu_s()
     summary = bench_serve(args, server.url, 2 * args.concurrency, args.output_len, seed, extra)
     client = children_cpu_s() - client_before
+    waited = runqueue_wait_s(engine_pid, engine_tid) - waited
+    engine = thread_cpu_s(engine_pid)[engine_tid] - engine_before
     engine_process = process_cpu_s(engine_processes) - engine_process_before
     threads = thread_cpu_s(pid)
-    waited = (runqueue_wait_s(pid, engine_tid) - waited) if engine_tid else 0.0
     time.sleep(1.0)
     steps_after = server.steps()
     tokens = summary["total_output_tokens"]
     per_token = {
-        tid: (cpu - threads_before.get(tid, 0.0)) / tokens * 1e6 for tid, cpu in threads.items()
+        tid: (cpu - threads_before.get(tid, 0.0)) / tokens * 1e6
+        for tid, cpu in threads.items()
+        if tid != engine_tid
     }
-    engine = per_token.pop(engine_tid, 0.0) if engine_tid else 0.0
     loop = per_token.pop(pid, 0.0)
     return {
         "run": "serve",
+        "engine": _engine_place(args),
         "output_tok_s": round(summary["output_throughput"], 2),
         "output_tokens": tokens,
         "failed": summary["failed"],
         **steps_between(steps_before, steps_after, waited),
         "loop_cpu_us_per_token": round(loop, 2),
-        "engine_cpu_us_per_token": round(engine, 2),
+        "engine_cpu_us_per_token": round(engine / tokens * 1e6, 2),
         "other_threads_cpu_us_per_token": round(sum(per_token.values()), 2),
-        # --engine-process: every thread of the engine's process (its steps are not timed)
-        "engine_process_cpu_us_per_token": round(engine_process / tokens * 1e6, 2),
+        # every thread of the engine process; None with --engine-thread
+        "engine_process_cpu_us_per_token": (
+            round(engine_process / tokens * 1e6, 2) if engine_processes else None
+        ),
         "client_cpu_us_per_token": round(client / tokens * 1e6, 2),
     }
+
+
+def _engine_place(args: argparse.Namespace) -> str:
+    return "thread" if args.engine_thread else "process"
 
 
 class Offline:
@@ -336,12 +322,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     def median(run: str, key: str) -> float | None:
         values = [r[key] for r in records if r["run"] == run and r[key] is not None]
-        return round(statistics.median(values), 4) if values else None  # untimed: --engine-process
+        return round(statistics.median(values), 4) if values else None
 
     served = statistics.median(r["output_tok_s"] for r in records if r["run"] == "serve")
     offline = statistics.median(r["output_tok_s"] for r in records if r["run"] == "offline")
     return {
         "run": "summary",
+        "engine": next(r["engine"] for r in records if r["run"] == "serve"),
         "offline_tok_s": round(offline, 4),
         "serve_tok_s": round(served, 4),
         "serve_over_offline": round(served / offline, 4),
@@ -367,9 +354,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument(
-        "--engine-process",
+        "--engine-thread",
         action="store_true",
-        help="serve with --engine-process (its steps untimed; its process's CPU per token shown)",
+        help="serve with --no-engine-process: the engine in a thread of the server, not in a "
+        "process of its own (the server's default)",
     )
     parser.add_argument("--out", type=Path, default=None, help="also append the lines here")
     args = parser.parse_args(argv)
@@ -421,3 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__" and STEPS_ENV in os.environ:
+    # The engine process a timed server spawned (multiprocessing imports the main module of the
+    # server's process, this one, under this name): its steps are the ones to time.
+    time_steps(Path(os.environ[STEPS_ENV]))

@@ -18,7 +18,8 @@
 #          then, carrying `.carry/serve`:  OUT=$OUT SERVE_WHEELS=.carry/serve bash scripts/gpu_serve_rates.sh
 # CPU rehearsal (ouro-tiny, tiny sizes, ~2 min on 2 cores):
 #          DEVICE=cpu OUT=/tmp/rates bash scripts/gpu_serve_rates.sh
-# SERVE_FLAGS="--engine-process" serves with the engine in a process of its own.
+# The server runs its engine in a process of its own (the default);
+# SERVE_FLAGS="--no-engine-process" keeps it in a thread of the server.
 # Every step has a timeout and the whole run a deadline (DEADLINE_S, default 500 s): a step that
 # would start past it is skipped and logged. Writes $OUT/rates.jsonl (one bench serve line per
 # run, `config.label` = "<exits> <input>/<output>"), $OUT/rates.md, $OUT/rates.log.
@@ -33,7 +34,7 @@ FIXED_LOOPS="${FIXED_LOOPS:-4}"  # Ouro-1.4B and ouro-tiny both run 4 loops
 GOODPUT="${GOODPUT:-ttft:250 tpot:25}"
 WARMUP_PROMPTS="${WARMUP_PROMPTS:-8}"  # the untimed wave before each exit setting's runs
 CLOSED="${CLOSED:-}"  # closed-loop concurrencies run after the rates (e.g. "128"; none by default)
-SERVE_FLAGS="${SERVE_FLAGS:-}"  # more `loopserve serve` flags (e.g. "--engine-process")
+SERVE_FLAGS="${SERVE_FLAGS:-}"  # more `loopserve serve` flags (e.g. "--no-engine-process")
 if [ "$DEVICE" = cpu ]; then
   MODEL="${MODEL:-ouro-tiny}"; WORKLOADS="${WORKLOADS:-64/8/12 2 8;32/32/6 1 4}"
   READY_TIMEOUT_S="${READY_TIMEOUT_S:-120}"; STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-60}"

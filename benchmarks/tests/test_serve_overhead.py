@@ -1,5 +1,6 @@
 """The server-overhead instrument at toy size on the CPU: a served and an offline wave of the same
-workload, each reporting its tokens and where the engine thread's step time went, and a summary."""
+workload, each reporting its tokens and where the engine's step time went (its steps timed in the
+server's engine process, the default, or in its engine thread), and a summary."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 from benchmarks.serve_overhead import main
 
 
-def test_serve_overhead_rehearsal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("engine", ["process", "thread"])
+def test_serve_overhead_rehearsal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
     pytest.importorskip("fastapi", reason="the server needs the `serve` extra")
     pytest.importorskip("aiohttp", reason="loopserve bench serve needs aiohttp")
     from loopserve.models.checkpoint_writer import write_random_checkpoint
@@ -24,6 +28,7 @@ def test_serve_overhead_rehearsal(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     code = main([
         "--model", str(model), "--device", "cpu", "--threads", "1", "--workload", "8/4",
         "--concurrency", "4", "--rounds", "1", "--out", str(out),
+        *(["--engine-thread"] if engine == "thread" else []),
     ])  # fmt: skip
     assert code == 0
     *runs, summary = [json.loads(line) for line in out.read_text().splitlines()]
@@ -33,4 +38,8 @@ def test_serve_overhead_rehearsal(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert 0 <= run["engine_off_cpu"] < 1 and run["step_cpu_ms"] > 0
     # (thread CPU times from /proc count in clock ticks: a toy run's loop may show none)
     assert all(run["failed"] == 0 and run["loop_cpu_us_per_token"] >= 0 for run in runs[1:3])
+    assert all(run["engine"] == engine for run in runs[1:3])
+    separate = [run["engine_process_cpu_us_per_token"] is not None for run in runs[1:3]]
+    assert separate == [engine == "process"] * 2
     assert summary["run"] == "summary" and summary["serve_over_offline"] > 0
+    assert summary["engine"] == engine
