@@ -8,10 +8,11 @@ cuBLAS on the bf16 weight (and `silu_mul` after it for gate/up); the rows quanti
 (`kernels.e4m3.quantize_rows`) and multiplied by the fp8 weight in `kernels.matmul.linear` under
 its default tiling and under each candidate tiling, and in cuBLAS's fp8 matmul
 (`models.quant.scaled_mm`, records with `"kernel": "scaled_mm"`), each as the engine runs it
-(quantization included); with `--gemv`, also `kernels.gemv.fp8_gemv` (which quantizes in the
-kernel) under its default and each of `GEMV_CANDIDATES` at up to `GEMV_MAX_ROWS` rows (records
-with `"kernel": "gemv"`). Each figure comes with the bytes it must move (weights,
-scales, activations in and out) as a fraction of the copy bandwidth `bench.calibration` measures.
+(quantization included: for `linear` the rows' e4m3 values in bf16); with `--gemv`, also
+`kernels.gemv.fp8_gemv` (which quantizes in the kernel) under its default and each of
+`GEMV_CANDIDATES` at up to `GEMV_MAX_ROWS` rows (records with `"kernel": "gemv"`). Each figure
+comes with the bytes it must move (weights, scales, activations in and out) as a fraction of the
+copy bandwidth `bench.calibration` measures.
 Prints one JSON line per (shape, rows, tiling); the best candidate per (shape, rows) last.
 Must not: check correctness (tests/kernels/test_fp8_matmul.py does).
 """
@@ -120,8 +121,8 @@ def measure(
         return fused_ops.silu_mul(*out.chunk(2, dim=-1)) if swiglu else out
 
     def triton_fp8(tiling: Tiling, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        x8, x_scale = quantize_rows(x)
-        return linear(x8, w8, tiling, None, x.dtype, swiglu, scale=scale, x_scale=x_scale)
+        x_grid, x_scale = quantize_rows(x, x.dtype)
+        return linear(x_grid, w8, tiling, swiglu=swiglu, scale=scale, x_scale=x_scale)
 
     def fp8(tiling: Tiling | GemvTiling | None) -> Callable[[], object]:
         if tiling is None:
