@@ -62,7 +62,7 @@ MODULES: dict[str, set[str]] = {
     },
     "kernels": {
         "__init__", "availability", "decode_plan", "decode_row", "decode_state", "decode_tiles",
-        "fused_ops", "gemv", "kv_copy", "kv_write", "lanes_state", "matmul", "noise",
+        "e4m3", "fused_ops", "gemv", "kv_copy", "kv_write", "lanes_state", "matmul", "noise",
         "paged_decode", "paged_prefill", "sampling",
     },
     "kv": {"__init__", "layout", "metadata", "pages", "storage", "transfer"},
