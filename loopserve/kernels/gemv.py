@@ -19,7 +19,7 @@ tiling only, which `gemv_tiling` picks from W's shape, never from M: a row has t
 every row count this kernel runs (tests/kernels/test_gemv.py). They are not
 `kernels.matmul.linear`'s bits (the tensor cores add 16-wide slices in their own order), so the
 engine runs this kernel only where it does not promise batch invariance
-(`models.ops.TritonOps.GEMV_ROWS`; docs/quantization.md, "FP8 weights at low concurrency").
+(`models.ops.TritonOps.GEMV_ROWS`; docs/quantization.md, "Where it runs").
 
 Why not `kernels.matmul.linear` at one row: its smallest tile is 16 rows of MMA with the weight
 widened to bf16 on its way to the tensor cores; on the H200 it moved Ouro-1.4B's fp8 projections

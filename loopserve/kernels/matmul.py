@@ -168,13 +168,14 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
 # best of `benchmarks.fp8_matmul`'s candidates at 1 to 32 rows of all four projections (decode,
 # where reading half the bytes counts); at 64 rows it is 1.0-1.25x the best, more rows unmeasured.
 FP8_TILING = Tiling(16, 32, 256, 4, 3)
-# Where a row's bits may follow its batch (fp8 weights without `batch_invariant`, which already
-# switch to `kernels.gemv` at few rows: models.ops.TritonOps), prompt chunks and large decode
+# Where a row's bits may follow its batch (fp8 weights without `batch_invariant`, past 16 rows
+# where cuBLAS's fp8 matmul does not fit: models.ops.TritonOps), prompt chunks and large decode
 # batches take tilings that do not re-read the weights per 16 rows: of `benchmarks.fp8_matmul`'s
 # candidates, the best summed over Ouro-1.4B's four projections at 128 rows (110.7 against
 # FP8_TILING's 148.1 µs on an H100) and at 512 (216.5 against 518.3 µs). At 16 rows none beat
 # FP8_TILING by more than 1 %. Tilings with the weight as the MMA's first operand (W x^T, the
-# fp8 -> bf16 widening in registers) were slower at 16, 128 and 512 rows, 1.1-3.8x.
+# fp8 -> bf16 widening in registers) were slower at 16, 128 and 512 rows, 1.1-3.8x. (Measured
+# with unquantized bf16 rows; the rows' e4m3 values in bf16 load and multiply the same way.)
 FP8_MID_TILING = Tiling(32, 64, 128, 4, 3)  # 17 to 128 rows
 FP8_MANY_TILING = Tiling(128, 64, 64, 8, 3)
 
