@@ -83,6 +83,12 @@ GEMV_CANDIDATES = [  # (columns per program, K slice, warps): bytes in flight ag
     GemvTiling(16, 256, 4),
     GemvTiling(16, 512, 4),
     GemvTiling(16, 512, 8),
+    # one K slice (K up to 2,048, or 8,192 for down's 5,632): the weight's load goes out before
+    # the row's scale is found (kernels/gemv.py)
+    GemvTiling(2, 2048, 2),
+    GemvTiling(4, 2048, 4),
+    GemvTiling(8, 2048, 4),
+    GemvTiling(4, 8192, 8),
 ]
 
 

@@ -39,11 +39,30 @@ from loopserve.kernels.fused_ops import silu_times
 
 
 @triton.jit
-def _x_slice(x_row, K, start, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[start : start + BLOCK_K] in fp32 (0 past K) and the mask of the columns inside K."""
+def _depth(K, start, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The columns start : start + BLOCK_K and the mask of those inside K."""
     depth = start + tl.arange(0, BLOCK_K)
-    in_depth = depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
-    return tl.load(x_row + depth, mask=in_depth, other=0.0).to(tl.float32), depth, in_depth
+    return depth, depth < K if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
+
+
+@triton.jit
+def _x_slice(x_row, K, start, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[start : start + BLOCK_K] in fp32 (0 past K)."""
+    depth, in_depth = _depth(K, start, EVEN_K, BLOCK_K)
+    return tl.load(x_row + depth, mask=in_depth, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _w_slice(w_rows, up_offset, in_cols, K, start, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr,
+             BLOCK_K: tl.constexpr):  # fmt: skip
+    """W's [BLOCK_N, BLOCK_K] fp8 tile at column `start` (and W_up's, or W's again)."""
+    depth, in_depth = _depth(K, start, EVEN_K, BLOCK_K)
+    w_mask = in_cols[:, None] & in_depth[None, :]
+    w = tl.load(w_rows + depth[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if SWIGLU:
+        w_up = tl.load(w_rows + up_offset + depth[None, :], mask=w_mask, other=0.0)
+    return w, w_up
 
 
 @triton.jit
@@ -53,12 +72,10 @@ def _slice(
 ):  # fmt: skip
     """acc (and acc_up) + x[start : start + BLOCK_K], quantized with the row's `inverse` scale,
     times W's [BLOCK_N, BLOCK_K] slice."""
-    x, depth, in_depth = _x_slice(x_row, K, start, EVEN_K, BLOCK_K)
-    x = e4m3_value(x, inverse)
-    w_mask = in_cols[:, None] & in_depth[None, :]
-    acc += tl.load(w_rows + depth[None, :], mask=w_mask, other=0.0).to(tl.float32) * x[None, :]
+    x = e4m3_value(_x_slice(x_row, K, start, EVEN_K, BLOCK_K), inverse)
+    w, w_up = _w_slice(w_rows, up_offset, in_cols, K, start, SWIGLU, EVEN_K, BLOCK_K)
+    acc += w.to(tl.float32) * x[None, :]
     if SWIGLU:
-        w_up = tl.load(w_rows + up_offset + depth[None, :], mask=w_mask, other=0.0)
         acc_up += w_up.to(tl.float32) * x[None, :]
     return acc, acc_up
 
@@ -83,29 +100,39 @@ def _gemv_kernel(
     x_row = x_ptr + row * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     up_offset = N.to(tl.int64) * stride_w  # W_up's first row (SWIGLU)
-    # The row's activation scale: its largest |x| (a max, so the order of the pass is free).
-    largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    if UNROLL:  # every slice's load in flight at once (a loop waits for each in turn)
-        for step in tl.static_range(UNROLL):
-            x, _, _ = _x_slice(x_row, K, step * BLOCK_K, EVEN_K, BLOCK_K)
-            largest = tl.maximum(largest, tl.abs(x))
+    if UNROLL == 1:
+        # One slice: the weight tile's load goes out first, so finding the row's scale (below)
+        # waits under it instead of before it.
+        w, w_up = _w_slice(w_rows, up_offset, in_cols, K, 0, SWIGLU, EVEN_K, BLOCK_K)
+        x = _x_slice(x_row, K, 0, EVEN_K, BLOCK_K)
+        x_scale, inverse = row_scales(tl.max(tl.abs(x), axis=0))
+        x = e4m3_value(x, inverse)
+        acc = w.to(tl.float32) * x[None, :]
+        acc_up = w_up.to(tl.float32) * x[None, :]
     else:
-        for start in range(0, K, BLOCK_K):
-            x, _, _ = _x_slice(x_row, K, start, EVEN_K, BLOCK_K)
-            largest = tl.maximum(largest, tl.abs(x))
-    x_scale, inverse = row_scales(tl.max(largest, axis=0))
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # Unrolled, every slice's loads can issue before the first slice's products (bytes in flight
-    # are what a GEMV's speed is); the sums keep the same order either way.
-    if UNROLL:
-        for step in tl.static_range(UNROLL):
-            acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K, step * BLOCK_K,
-                                 acc, acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
-    else:
-        for start in range(0, K, BLOCK_K):
-            acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K, start, acc,
-                                 acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
+        # The row's activation scale: its largest |x| (a max: the pass's order is free).
+        largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if UNROLL:  # every slice's load in flight at once (a loop waits for each in turn)
+            for step in tl.static_range(UNROLL):
+                largest = tl.maximum(largest, tl.abs(_x_slice(x_row, K, step * BLOCK_K, EVEN_K,
+                                                              BLOCK_K)))  # fmt: skip
+        else:
+            for start in range(0, K, BLOCK_K):
+                largest = tl.maximum(largest, tl.abs(_x_slice(x_row, K, start, EVEN_K, BLOCK_K)))
+        x_scale, inverse = row_scales(tl.max(largest, axis=0))
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # Unrolled, every slice's loads can issue before the first slice's products (bytes in
+        # flight are what a GEMV's speed is); the sums keep the same order either way.
+        if UNROLL:
+            for step in tl.static_range(UNROLL):
+                acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K,
+                                     step * BLOCK_K, acc, acc_up, SWIGLU, EVEN_K,
+                                     BLOCK_K)  # fmt: skip
+        else:
+            for start in range(0, K, BLOCK_K):
+                acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K, start, acc,
+                                     acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
     # As `kernels.matmul.linear`: the fp32 sums times the row's scale, then W's, rounded to x's
     # dtype, then SiLU·up.
     value = tl.sum(acc, axis=1) * x_scale * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)

@@ -18,9 +18,11 @@ SMALL = GemvTiling(16, 128, 4)  # K tails at depth 300, N tails at 40 columns
 # More K slices than `MAX_UNROLL`: the K loop is a loop.
 THIN = GemvTiling(8, 16, 1)
 assert 300 // THIN.block_k > MAX_UNROLL
+WHOLE = GemvTiling(8, 512, 4)  # one K slice: the weight loaded before the row's scale is found
+TILINGS = [SMALL, THIN, WHOLE]
 
 
-@pytest.mark.parametrize("tiling", [SMALL, THIN])
+@pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("depth", [300, 512])  # a K tail; none
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_values_are_scaled_sums(
@@ -36,20 +38,26 @@ def test_values_are_scaled_sums(
     torch.testing.assert_close(got, fp8_linear(x, weight, scale), **tolerance)
 
 
-def test_a_row_has_the_same_bits_at_every_row_count(device: torch.device) -> None:
+@pytest.mark.parametrize("tiling", [SMALL, WHOLE])
+def test_a_row_has_the_same_bits_at_every_row_count(
+    device: torch.device, tiling: GemvTiling
+) -> None:
     x, weight, scale = _fp8_operands(7, 300, 40, torch.bfloat16, device)
-    every = fp8_gemv(x, weight, scale, tiling=SMALL)
+    every = fp8_gemv(x, weight, scale, tiling=tiling)
     for rows in (1, 2, 5):
-        assert torch.equal(fp8_gemv(x[:rows], weight, scale, tiling=SMALL), every[:rows])
-    assert torch.equal(fp8_gemv(x[4:5], weight, scale, tiling=SMALL), every[4:5])
+        assert torch.equal(fp8_gemv(x[:rows], weight, scale, tiling=tiling), every[:rows])
+    assert torch.equal(fp8_gemv(x[4:5], weight, scale, tiling=tiling), every[4:5])
 
 
+@pytest.mark.parametrize("tiling", [SMALL, WHOLE])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_swiglu_scales_each_half_by_its_rows(device: torch.device, dtype: torch.dtype) -> None:
+def test_swiglu_scales_each_half_by_its_rows(
+    device: torch.device, dtype: torch.dtype, tiling: GemvTiling
+) -> None:
     x, weight, scale = _fp8_operands(3, 300, 2 * 24, dtype, device)
     scale = scale * torch.linspace(0.5, 2.0, scale.numel(), device=device)
-    gate, up = fp8_gemv(x, weight, scale, tiling=SMALL).chunk(2, dim=-1)
-    got = fp8_gemv(x, weight, scale, swiglu=True, tiling=SMALL)
+    gate, up = fp8_gemv(x, weight, scale, tiling=tiling).chunk(2, dim=-1)
+    got = fp8_gemv(x, weight, scale, swiglu=True, tiling=tiling)
     expected = silu_mul(gate.contiguous(), up.contiguous())
     if ON_GPU or dtype == torch.bfloat16:
         assert torch.equal(got, expected)
@@ -57,11 +65,14 @@ def test_swiglu_scales_each_half_by_its_rows(device: torch.device, dtype: torch.
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_rows_wanted_keeps_their_values_and_zeroes_the_rest(device: torch.device) -> None:
+@pytest.mark.parametrize("tiling", [SMALL, WHOLE])
+def test_rows_wanted_keeps_their_values_and_zeroes_the_rest(
+    device: torch.device, tiling: GemvTiling
+) -> None:
     x, weight, scale = _fp8_operands(5, 96, 40, torch.bfloat16, device)
     wanted = torch.tensor([True, False, False, True, False], device=device)
-    every = fp8_gemv(x, weight, scale, tiling=SMALL)
-    some = fp8_gemv(x, weight, scale, wanted, out_dtype=torch.float32, tiling=SMALL)
+    every = fp8_gemv(x, weight, scale, tiling=tiling)
+    some = fp8_gemv(x, weight, scale, wanted, out_dtype=torch.float32, tiling=tiling)
     assert torch.equal(some[wanted], every[wanted].float()) and not some[~wanted].any()
 
 
