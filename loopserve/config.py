@@ -215,9 +215,10 @@ class EngineConfig:
     quantization: str = setting(
         "none",
         "weights: none (the model's dtype) or fp8 (each layer's projections quantized at load to "
-        "float8 e4m3 with an fp32 scale per output channel, activations kept in the model's "
-        "dtype; the LM head, embeddings and exit gate stay unquantized); half the weight bytes "
-        "a decode loop reads",
+        "float8 e4m3 with an fp32 scale per output channel, and their inputs per token as they "
+        "are multiplied: dynamic W8A8, as vLLM's fp8; the LM head, embeddings and exit gate "
+        "stay unquantized); half the weight bytes a decode loop reads, fp8 tensor cores for "
+        "large batches",
         choices=QUANTIZATIONS,
     )
     num_kv_pages: int | None = setting(
@@ -267,7 +268,8 @@ class EngineConfig:
         "projection runs as a Triton matmul with one reduction order (cuBLAS, the "
         "default, keeps that only up to some batch size per shape: 64 rows for Ouro-1.4B on an "
         "H200), and fp8 weights keep one kernel and tiling at every row count (by default "
-        "they take a GEMV at up to 4 rows); needs fused_kernels and triton",
+        "they take a GEMV at up to 2 rows and cuBLAS's fp8 matmul past 16); needs "
+        "fused_kernels and triton",
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
