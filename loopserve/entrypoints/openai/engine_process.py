@@ -4,8 +4,9 @@ engine no longer share an interpreter lock.
 
 Owns: starting the child (`EngineChild.spawn`: it builds the `Engine` and answers with the model's
 facts, or with the error that stopped it; it logs as the server's process does) and ending it when
-no server runs it (`EngineChild.close`), the child's loop (`_ChildLoop`: commands in; per step
-one message out with what the outputs added, `output_deltas`, and a stats snapshot), and the
+no server runs it (`EngineChild.close`), the child's loop (`_ChildLoop`: commands in; after a
+step that changed outputs one message out with what they added, `output_deltas`, and a stats
+snapshot, and after other steps the stats alone every `STATS_EVERY_S`), and the
 server's side (`EngineProcess`: sends commands; a reader thread turns deltas back into outputs
 and hands them to the requests' queues through `engine_thread.OutputRouter`). Must not: touch the
 `Engine` from the server's process, or serve Ray replicas (they keep the engine in process).
@@ -34,7 +35,8 @@ import logging
 import multiprocessing
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -68,6 +70,9 @@ REFUSALS: dict[str, type[Exception]] = {
 }
 # Signals the child ignores: Ctrl-C and SIGTERM to the process group are the server's to handle.
 CHILD_IGNORES = (signal.SIGINT, signal.SIGTERM)
+# A step that changed no output sends its stats only if the last were sent this long ago (a
+# decode loop that exits no token changes none: three steps of four at fixed depth 4).
+STATS_EVERY_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,11 +327,15 @@ def _run_child(config: EngineConfig, connection: Connection, log_setup: _LogSetu
 
 
 class _ChildLoop:
-    def __init__(self, engine: Engine, connection: Connection) -> None:
+    def __init__(
+        self, engine: Engine, connection: Connection, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._engine = engine
         self._connection = connection
+        self._clock = clock
         self._encoder = DeltaEncoder()
         self._live: set[str] = set()  # added and not finished
+        self._stats_sent_at = -STATS_EVERY_S  # the first step's stats go out
 
     def run(self) -> None:
         try:
@@ -360,12 +369,17 @@ class _ChildLoop:
         ran = not stopping and self._engine.has_unfinished_requests()
         if ran:
             outputs += self._engine.step()
-        if outputs or ran:
+        now = self._clock()
+        stats_due = ran and (
+            now - self._stats_sent_at >= STATS_EVERY_S or not self._engine.has_unfinished_requests()
+        )
+        if outputs or stats_due:
             for output in outputs:
                 if output.finished:
                     self._live.discard(output.request_id)
             deltas = self._encoder.encode(outputs)
             self._connection.send(("outputs", deltas, self._engine.stats()))
+            self._stats_sent_at = now
         return not stopping
 
     def _add(self, add_id: int, requests: list[EngineRequest]) -> None:
