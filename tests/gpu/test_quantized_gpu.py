@@ -10,6 +10,7 @@ Run on a GPU machine with `pytest -m gpu tests/gpu`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,14 +29,14 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 __all__ = ["checkpoint"]  # the module fixture, shared
-QUANTIZED = {
+QUANTIZED: dict[str, dict[str, Any]] = {
     "fp8-weights": {"quantization": "fp8"},
     "fp8-both": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
     # per-layer K and V scales, set before the graphs are captured and read by the kernels
     "fp8-both-scaled": {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     | {"calculate_kv_scales": True},
 }
-FP8_KV = {
+FP8_KV: dict[str, dict[str, Any]] = {
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "fp8-kv-scaled": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
 }
