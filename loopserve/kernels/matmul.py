@@ -108,17 +108,16 @@ def _matmul_kernel(
     # Rounded to x's dtype first, so an fp32 output holds what `F.linear(...).float()` would;
     # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves. With an fp8 W the
     # scales multiply the fp32 sums before that rounding, a's then W's (`models.quant`).
-    rounded = a_ptr.dtype.element_ty
     if SCALED:
         a_scale = tl.load(a_scale_ptr + rows, mask=in_rows, other=0.0)[:, None]
         acc = acc * a_scale * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)[None, :]
         if SWIGLU:
             up_scale = tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)[None, :]
             acc_up = acc_up * a_scale * up_scale
-    value = acc.to(rounded)
+    value = acc.to(a_ptr.dtype.element_ty)
     if SWIGLU:
-        up = acc_up.to(rounded).to(tl.float32)
-        value = silu_times(value.to(tl.float32), up, rounded)
+        up = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
+        value = silu_times(value.to(tl.float32), up, a_ptr.dtype.element_ty)
     value = tl.where(wanted[:, None], value, 0.0)
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=out_mask)
 
