@@ -8,9 +8,11 @@ cuBLAS on the bf16 weight (and `silu_mul` after it for gate/up); the rows quanti
 (`kernels.e4m3.quantize_rows`) and multiplied by the fp8 weight in `kernels.matmul.linear` under
 its default tiling and under each candidate tiling, and in cuBLAS's fp8 matmul
 (`models.quant.scaled_mm`, records with `"kernel": "scaled_mm"`), each as the engine runs it
-(quantization included: for `linear` the rows' e4m3 values in bf16); with `--gemv`, also
-`kernels.gemv.fp8_gemv` (which quantizes in the kernel) under its default and each of
-`GEMV_CANDIDATES` at up to `GEMV_MAX_ROWS` rows (records with `"kernel": "gemv"`). Each figure
+(quantization included, unless `--made-rows`: the rows come quantized, as `add_norm` hands them
+to the qkv and gate/up projections); `linear` also under `FP8_DOT` (fp8 by fp8 on the tensor
+cores); with `--gemv`, also `kernels.gemv.fp8_gemv` (which quantizes in the kernel) under its
+default and each of `GEMV_CANDIDATES` at up to `GEMV_MAX_ROWS` rows (`"kernel": "gemv"`). A
+candidate that fails to compile is a record with its `"error"`. Each figure
 comes with the bytes it must move (weights, scales, activations in and out) as a fraction of the
 copy bandwidth `bench.calibration` measures.
 Prints one JSON line per (shape, rows, tiling); the best candidate per (shape, rows) last.
@@ -69,6 +71,19 @@ MANY_ROWS = [  # prompt chunks
     Tiling(128, 64, 128, 8, 3),
 ]
 
+# fp8 rows times the fp8 weight as fp8 on Hopper's tensor cores (`Tiling.fp8_dot`), tried at
+# every row count: no widening to bf16 in registers.
+FP8_DOT = [
+    Tiling(16, 32, 256, 4, 3, fp8_dot=True),
+    Tiling(16, 64, 256, 4, 3, fp8_dot=True),
+    Tiling(32, 64, 128, 4, 3, fp8_dot=True),
+    Tiling(64, 64, 128, 4, 3, fp8_dot=True),
+    Tiling(64, 64, 256, 4, 3, fp8_dot=True),
+    Tiling(64, 128, 128, 4, 3, fp8_dot=True),
+    Tiling(128, 64, 128, 8, 3, fp8_dot=True),
+    Tiling(128, 128, 128, 8, 3, fp8_dot=True),
+]
+
 GEMV_MAX_ROWS = 16
 GEMV_CANDIDATES = [  # (columns per program, K slice, warps): bytes in flight against programs
     GemvTiling(2, 1024, 1),
@@ -93,7 +108,7 @@ GEMV_CANDIDATES = [  # (columns per program, K slice, warps): bytes in flight ag
 
 
 def candidates(rows: int) -> list[Tiling]:
-    return FEW_ROWS if rows <= 16 else MID_ROWS if rows <= 128 else MANY_ROWS
+    return (FEW_ROWS if rows <= 16 else MID_ROWS if rows <= 128 else MANY_ROWS) + FP8_DOT
 
 
 def _replay_us(work: Callable[[], object], copies: int) -> float:
@@ -101,7 +116,7 @@ def _replay_us(work: Callable[[], object], copies: int) -> float:
 
 
 def measure(
-    shape: str, rows: int, ceiling_bytes_per_s: float, gemv: bool = False
+    shape: str, rows: int, ceiling_bytes_per_s: float, gemv: bool = False, made: bool = False
 ) -> list[dict[str, object]]:
     columns, depth = SHAPES[shape]
     swiglu = shape == "gate_up"
@@ -122,25 +137,36 @@ def measure(
             return [fused_ops.silu_mul(*F.linear(x, w).chunk(2, dim=-1)) for w in weights]
         return [F.linear(x, w) for w in weights]
 
+    made_rows = quantize_rows(x)
+
+    def rows8() -> tuple[torch.Tensor, torch.Tensor]:
+        return made_rows if made else quantize_rows(x)
+
     def cublas_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        out = scaled_mm(*quantize_rows(x), w8, scale)
+        out = scaled_mm(*rows8(), w8, scale)
         return fused_ops.silu_mul(*out.chunk(2, dim=-1)) if swiglu else out
 
     def triton_fp8(tiling: Tiling, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        x_grid, x_scale = quantize_rows(x, x.dtype)
-        return linear(x_grid, w8, tiling, swiglu=swiglu, scale=scale, x_scale=x_scale)
+        x8, x_scale = rows8()
+        return linear(x8, w8, tiling, swiglu=swiglu, scale=scale, x_scale=x_scale, dtype=x.dtype)
+
+    def gemv_fp8(tiling: GemvTiling, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if not made:
+            return fp8_gemv(x, w8, scale, swiglu=swiglu, tiling=tiling)
+        x8, x_scale = made_rows
+        return fp8_gemv(x8, w8, scale, swiglu=swiglu, tiling=tiling, x_scale=x_scale,
+                        dtype=x.dtype)  # fmt: skip
 
     def fp8(tiling: Tiling | GemvTiling | None) -> Callable[[], object]:
         if tiling is None:
             return lambda: [cublas_fp8(w8, scale) for w8, scale in quantized]
         if isinstance(tiling, GemvTiling):
-            return lambda: [
-                fp8_gemv(x, w8, scale, swiglu=swiglu, tiling=tiling) for w8, scale in quantized
-            ]
+            return lambda: [gemv_fp8(tiling, w8, scale) for w8, scale in quantized]
         return lambda: [triton_fp8(tiling, w8, scale) for w8, scale in quantized]
 
     cublas_us = _replay_us(cublas, copies)
     base = {"shape": shape, "rows": rows, "N": columns, "K": depth, "bf16_cublas_us": cublas_us}
+    base["made_rows"] = made
     base["bf16_of_copy"] = bf16_bytes / (cublas_us * 1e-6) / ceiling_bytes_per_s
     default = tiling_for(rows, out_columns, FP8, swiglu)
     tried: list[tuple[Tiling | GemvTiling | None, bool]] = [(default, True), (None, False)]
@@ -149,21 +175,26 @@ def measure(
         gemv_default = gemv_tiling(columns, depth)
         tried += [(gemv_default, True)]
         tried += [(t, False) for t in GEMV_CANDIDATES if t != gemv_default]
-    records = []
+    records, timed = [], []
     for tiling, is_default in tried:
-        us = _replay_us(fp8(tiling), copies)
-        records.append(
-            base
-            | {
-                "kernel": _kernel(tiling),
-                "tiling": None if tiling is None else list(dataclasses.astuple(tiling)),
-                "default": is_default,
-                "fp8_us": us,
-                "fp8_of_copy": fp8_bytes / (us * 1e-6) / ceiling_bytes_per_s,
-                "fp8_over_bf16_cublas": us / cublas_us,
-            }
-        )  # fmt: skip
-    best = min(records, key=lambda record: float(record["fp8_us"]))  # type: ignore[arg-type]
+        record = base | {
+            "kernel": _kernel(tiling),
+            "tiling": None if tiling is None else list(dataclasses.astuple(tiling)),
+            "default": is_default,
+        }
+        try:
+            us = _replay_us(fp8(tiling), copies)
+        except Exception as error:  # a candidate the compiler refuses (e.g. fp8 dots)
+            records.append(record | {"error": f"{type(error).__name__}: {error}"[:300]})
+            continue
+        record |= {
+            "fp8_us": us,
+            "fp8_of_copy": fp8_bytes / (us * 1e-6) / ceiling_bytes_per_s,
+            "fp8_over_bf16_cublas": us / cublas_us,
+        }
+        records.append(record)
+        timed.append(record)
+    best = min(timed, key=lambda record: float(record["fp8_us"]))  # type: ignore[arg-type]
     return [*records, best | {"best": True}]
 
 
@@ -176,12 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,4,8,16,32,64,128,512")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--gemv", action="store_true", help="also time kernels.gemv.fp8_gemv")
+    parser.add_argument(
+        "--made-rows", action="store_true", help="rows come quantized (as add_norm makes them)"
+    )
     parser.add_argument("--out", type=Path, help="also append the JSON lines here")
     args = parser.parse_args(argv)
     ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16)
     for shape in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            for record in measure(shape, rows, ceilings.copy_bytes_per_s, args.gemv):
+            for record in measure(shape, rows, ceilings.copy_bytes_per_s, args.gemv,
+                                  args.made_rows):  # fmt: skip
                 rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
                 emit(rounded, args.out)
 

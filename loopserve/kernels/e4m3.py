@@ -3,9 +3,11 @@ torch: the fp8 KV cache's values (`kernels.kv_write.cache_value`) and fp8 activa
 
 Owns: `e4m3_value` (an fp32 value times a reciprocal scale, saturated at +-448, rounded to the
 nearest e4m3 value, ties to even, still in fp32), `row_scales` (a row's activation scale and its
-reciprocal from its largest magnitude) and `quantize_rows` (x [M, K] -> e4m3 rows and their scales:
-`models.quant.quantize_activations` bit for bit; the e4m3 values stored as float8, or in x's dtype,
-which holds each exactly, for `kernels.matmul.linear`). Must not: divide with Triton's `/` (not
+reciprocal from its largest magnitude), `store_quantized` (one whole row quantized and stored: what
+`quantize_rows` runs, and the kernels that make a projection's input quantize it on the way out,
+`kernels.fused_ops`), `quantize_rows` (x [M, K] -> float8 e4m3 rows and their scales:
+`models.quant.quantize_activations` bit for bit) and `triton_dtype` (the triton twin of a torch
+float dtype, for kernels told which dtype to round to). Must not: divide with Triton's `/` (not
 correctly rounded on a GPU): the one division is `div_rn`, torch's IEEE division."""
 
 from __future__ import annotations
@@ -49,35 +51,50 @@ def row_scales(amax):
 
 
 @triton.jit
+def store_quantized(x, mask, out_ptrs, scale_ptr):
+    """Quantize one fp32 row `x` [BLOCK] (0 outside `mask`) with its own scale: its e4m3 values
+    to `out_ptrs` (float8) and its scale to `scale_ptr`."""
+    scale, inverse = row_scales(tl.max(tl.abs(x), axis=0))
+    tl.store(out_ptrs, e4m3_value(x, inverse).to(out_ptrs.dtype.element_ty), mask)  # exact
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale, inverse = row_scales(tl.max(tl.abs(x), axis=0))
-    value = e4m3_value(x, inverse).to(out_ptr.dtype.element_ty)  # exact: on e4m3's grid
-    tl.store(out_ptr + row * stride_out + cols, value, mask)
-    tl.store(scale_ptr + row, scale)
+    store_quantized(x, mask, out_ptr + row * stride_out + cols, scale_ptr + row)
 
 
-# Widest row `quantize_rows` loads in one block (Ouro's down projection reads 5,632).
+# Widest row `quantize_rows` (or a kernel that quantizes its output rows) loads in one block
+# (Ouro's down projection reads 5,632).
 MAX_ROW = 16384
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (any float dtype, contiguous last dimension) -> (x8 [M, K], scale [M] fp32), one
-    program a row; x ~ x8 * scale[:, None]. The e4m3 values are stored as `dtype`: float8, or
-    x's dtype."""
+def empty_rows(rows: int, depth: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for `rows` quantized rows of `depth` values: (float8 [M, K], fp32 scales [M])."""
+    if depth > MAX_ROW:
+        raise ValueError(
+            f"rows of at most {MAX_ROW} values are quantized in one block, not {depth}"
+        )
+    return (
+        torch.empty((rows, depth), dtype=FP8, device=device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype, contiguous last dimension) -> (x8 [M, K] float8 e4m3, scale [M]
+    fp32), one program a row; x ~ x8 * scale[:, None]."""
     rows, depth = x.shape
     if depth > MAX_ROW or x.stride(1) != 1:
         raise ValueError(
             f"quantize_rows takes rows of at most {MAX_ROW} contiguous values, got "
             f"{tuple(x.shape)} with strides {x.stride()}"
         )
-    if dtype not in (FP8, x.dtype):
-        raise ValueError(f"quantize_rows stores float8 or x's dtype ({x.dtype}), not {dtype}")
-    out = torch.empty((rows, depth), dtype=dtype, device=x.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    out, scale = empty_rows(rows, depth, x.device)
     if rows:
         block = triton.next_power_of_2(depth)
         _quantize_rows_kernel[(rows,)](
@@ -85,3 +102,13 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tens
             num_warps=8 if block >= 4096 else 4,
         )  # fmt: skip
     return out, scale
+
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def triton_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The triton dtype of a 16- or 32-bit torch float dtype (a kernel's rounding constexpr)."""
+    if dtype not in _TRITON_DTYPES:
+        raise ValueError(f"no rounding to {dtype}: fp32, bf16 or fp16")
+    return _TRITON_DTYPES[dtype]

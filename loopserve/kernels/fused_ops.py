@@ -3,7 +3,10 @@
 Owns: RMSNorm, residual-add + two RMSNorms (or one, for a pre-norm layer), rotate-half RoPE (in
 place; q and k in one launch
 when they are views of one projection) and SiLU(gate) * up, and the jit helpers that hold their
-arithmetic (`silu_times` is also `kernels.matmul`'s SwiGLU epilogue, so both round alike).
+arithmetic (`silu_times` is also `kernels.matmul`'s SwiGLU epilogue, so both round alike). The
+residual add and SiLU·up can also quantize their output rows for an fp8 projection
+(`kernels.e4m3.store_quantized`, `models.quant`'s rule), which then needs no launch of its own to
+do it: one program holds the whole row, so it knows the row's largest value.
 Must not: change the math of the torch ops they replace. Every kernel computes in fp32 and rounds
 to the tensor dtype exactly where the torch code rounds (after the normalisation, after each
 product, after the sum), so in bf16 the results follow the HF rounding order; a row is always
@@ -17,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from loopserve.kernels.e4m3 import empty_rows, store_quantized
 
 
 @triton.jit
@@ -76,11 +81,14 @@ def _add_norm_kernel(
     out_weight_ptr,
     sum_ptr,  # [T, H] residual + norm_u(update)
     normed_ptr,  # [T, H] norm_o(sum)
+    e4m3_ptr,  # [T, H] float8 (QUANTIZE): norm_o(sum) quantized per row
+    e4m3_scale_ptr,  # [T] fp32 (QUANTIZE): its scales
     stride_update,
     stride_residual,
     size,
     eps,
     NORM_UPDATE: tl.constexpr,  # False: a pre-norm layer adds the update as it is
+    QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -101,6 +109,9 @@ def _add_norm_kernel(
     tl.store(sum_ptr + row * size + cols, total, mask=mask)
     normed = _normalise(total.to(tl.float32), out_weight, mask, size, eps, dtype)
     tl.store(normed_ptr + row * size + cols, normed, mask=mask)
+    if QUANTIZE:
+        store_quantized(normed.to(tl.float32), mask, e4m3_ptr + row * size + cols,
+                        e4m3_scale_ptr + row)  # fmt: skip
 
 
 @triton.jit
@@ -162,14 +173,22 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, size, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, e4m3_ptr, e4m3_scale_ptr, stride_gate, stride_up, size,
+    QUANTIZE: tl.constexpr,  # also the rows quantized (float8 + scales); one block holds a row
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * size + cols, silu_times(gate, up, dtype), mask=mask)
+    activated = silu_times(gate, up, dtype)
+    tl.store(out_ptr + row * size + cols, activated, mask=mask)
+    if QUANTIZE:
+        store_quantized(tl.where(mask, activated.to(tl.float32), 0.0), mask,
+                        e4m3_ptr + row * size + cols, e4m3_scale_ptr + row)  # fmt: skip
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,25 +203,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+Rows = tuple[torch.Tensor, torch.Tensor]  # quantized rows: float8 [T, size] and fp32 scales [T]
+
+
 def add_norm(
     update: torch.Tensor,
     residual: torch.Tensor,
     update_weight: torch.Tensor | None,
     out_weight: torch.Tensor,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + norm_u(update), norm_o of that); all [T, H]. Without `update_weight` the
-    update is added as it is (a pre-norm layer's residual)."""
+    quantize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Rows | None]:
+    """(residual + norm_u(update), norm_o of that, with `quantize` the latter's rows quantized
+    as `kernels.e4m3.quantize_rows` would); all [T, H]. Without `update_weight` the update is
+    added as it is (a pre-norm layer's residual)."""
     rows, size = update.shape
     total = torch.empty((rows, size), dtype=update.dtype, device=update.device)
     normed = torch.empty_like(total)
+    quantized = empty_rows(rows, size, update.device) if quantize else None
+    e4m3, e4m3_scale = quantized or (total, total)
     if rows:
         _add_norm_kernel[(rows,)](
             update, residual, out_weight if update_weight is None else update_weight,
-            out_weight, total, normed, update.stride(0), residual.stride(0), size, eps,
-            NORM_UPDATE=update_weight is not None, BLOCK=triton.next_power_of_2(size),
+            out_weight, total, normed, e4m3, e4m3_scale, update.stride(0), residual.stride(0),
+            size, eps, NORM_UPDATE=update_weight is not None, QUANTIZE=quantize,
+            BLOCK=triton.next_power_of_2(size),
         )  # fmt: skip
-    return total, normed
+    return total, normed, quantized
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -241,10 +268,24 @@ def rotary_qk_(
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, I] views (contiguous last dim)."""
+    return silu_mul_rows(gate, up, quantize=False)[0]
+
+
+def silu_mul_rows(
+    gate: torch.Tensor, up: torch.Tensor, quantize: bool
+) -> tuple[torch.Tensor, Rows | None]:
+    """`silu_mul`, and with `quantize` its rows quantized as `kernels.e4m3.quantize_rows` would
+    (then one program holds a whole row, so it knows the row's largest value)."""
     rows, size = gate.shape
     out = torch.empty((rows, size), dtype=gate.dtype, device=gate.device)
+    quantized = empty_rows(rows, size, gate.device) if quantize else None
+    e4m3, e4m3_scale = quantized or (out, out)
     if rows:
-        block = min(2048, triton.next_power_of_2(size))
+        block = triton.next_power_of_2(size)
+        block = block if quantize else min(2048, block)
         grid = (rows, triton.cdiv(size, block))
-        _silu_mul_kernel[grid](gate, up, out, gate.stride(0), up.stride(0), size, BLOCK=block)
-    return out
+        _silu_mul_kernel[grid](
+            gate, up, out, e4m3, e4m3_scale, gate.stride(0), up.stride(0), size,
+            QUANTIZE=quantize, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+        )  # fmt: skip
+    return out, quantized

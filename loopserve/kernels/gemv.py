@@ -11,13 +11,14 @@ How. One program per (row, block of BLOCK_N columns); rows vary fastest in the g
 programs that read one weight block run together and the weight comes from DRAM once (the others
 hit the L2). A program first finds its row's largest |x| (one pass over the row, which the L2
 holds), which gives the row's activation scale (`kernels.e4m3.row_scales`), so x is quantized in
-registers with no launch of its own. It then walks K in BLOCK_K slices, widening each
-[BLOCK_N, BLOCK_K] fp8 tile to fp32 and adding the quantized x times it into an fp32
-[BLOCK_N, BLOCK_K] accumulator (no reduction inside the loop), then folds the BLOCK_K lanes in
-`tl.sum`'s fixed tree. A row's bits therefore depend on the
-tiling only, which `gemv_tiling` picks from W's shape, never from M: a row has the same bits at
-every row count this kernel runs (tests/kernels/test_gemv.py). They are not
-`kernels.matmul.linear`'s bits (the tensor cores add 16-wide slices in their own order), so the
+registers with no launch of its own; rows that come quantized (fp8 with their scales, from the
+kernel that made them: `kernels.fused_ops.add_norm`) skip that pass. It then walks K in BLOCK_K
+slices, widening each [BLOCK_N, BLOCK_K] fp8 tile to fp32 and adding the quantized x times it
+into an fp32 [BLOCK_N, BLOCK_K] accumulator (no reduction inside the loop), then folds the
+BLOCK_K lanes in `tl.sum`'s fixed tree. A row's bits therefore depend on the tiling only, which
+`gemv_tiling` picks from W's shape, never from M: a row has the same bits at every row count this
+kernel runs (tests/kernels/test_gemv.py). They are not `kernels.matmul.linear`'s bits (the tensor
+cores add 16-wide slices in their own order), so the
 engine runs this kernel only where it does not promise batch invariance
 (`models.ops.TritonOps.GEMV_ROWS`; docs/quantization.md, "Where it runs").
 
@@ -34,8 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.kernels.e4m3 import e4m3_value, row_scales
+from loopserve.kernels.e4m3 import e4m3_value, row_scales, triton_dtype
 from loopserve.kernels.fused_ops import silu_times
+from loopserve.kv.storage import FP8
 
 
 @triton.jit
@@ -68,11 +70,13 @@ def _w_slice(w_rows, up_offset, in_cols, K, start, SWIGLU: tl.constexpr, EVEN_K:
 @triton.jit
 def _slice(
     x_row, inverse, w_rows, up_offset, in_cols, K, start, acc, acc_up,
-    SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWIGLU: tl.constexpr, QUANTIZED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """acc (and acc_up) + x[start : start + BLOCK_K], quantized with the row's `inverse` scale,
-    times W's [BLOCK_N, BLOCK_K] slice."""
-    x = e4m3_value(_x_slice(x_row, K, start, EVEN_K, BLOCK_K), inverse)
+    """acc (and acc_up) + x[start : start + BLOCK_K], quantized with the row's `inverse` scale
+    (unless the row is `QUANTIZED` already), times W's [BLOCK_N, BLOCK_K] slice."""
+    x = _x_slice(x_row, K, start, EVEN_K, BLOCK_K)
+    if not QUANTIZED:
+        x = e4m3_value(x, inverse)
     w, w_up = _w_slice(w_rows, up_offset, in_cols, K, start, SWIGLU, EVEN_K, BLOCK_K)
     acc += w.to(tl.float32) * x[None, :]
     if SWIGLU:
@@ -82,7 +86,9 @@ def _slice(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, want_ptr, N, K, stride_x, stride_w, stride_out,
+    x_ptr, w_ptr, scale_ptr, x_scale_ptr, out_ptr, want_ptr, N, K, stride_x, stride_w, stride_out,
+    QUANTIZED: tl.constexpr,  # x: fp8 rows with their scales at x_scale_ptr (no amax pass)
+    DTYPE: tl.constexpr,  # what the sums round to: x's dtype, or the one fp8 rows came from
     MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
     SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
@@ -100,7 +106,7 @@ def _gemv_kernel(
     x_row = x_ptr + row * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     up_offset = N.to(tl.int64) * stride_w  # W_up's first row (SWIGLU)
-    if UNROLL == 1:
+    if UNROLL == 1 and not QUANTIZED:
         # One slice: the weight tile's load goes out first, so finding the row's scale (below)
         # waits under it instead of before it.
         w, w_up = _w_slice(w_rows, up_offset, in_cols, K, 0, SWIGLU, EVEN_K, BLOCK_K)
@@ -110,16 +116,21 @@ def _gemv_kernel(
         acc = w.to(tl.float32) * x[None, :]
         acc_up = w_up.to(tl.float32) * x[None, :]
     else:
-        # The row's activation scale: its largest |x| (a max: the pass's order is free).
-        largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if UNROLL:  # every slice's load in flight at once (a loop waits for each in turn)
-            for step in tl.static_range(UNROLL):
-                largest = tl.maximum(largest, tl.abs(_x_slice(x_row, K, step * BLOCK_K, EVEN_K,
-                                                              BLOCK_K)))  # fmt: skip
+        if QUANTIZED:  # the row's e4m3 values and scale come made (no amax pass)
+            x_scale = tl.load(x_scale_ptr + row)
+            inverse = x_scale  # unused
         else:
-            for start in range(0, K, BLOCK_K):
-                largest = tl.maximum(largest, tl.abs(_x_slice(x_row, K, start, EVEN_K, BLOCK_K)))
-        x_scale, inverse = row_scales(tl.max(largest, axis=0))
+            # The row's activation scale: its largest |x| (a max: the pass's order is free).
+            largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            if UNROLL:  # every slice's load in flight at once (a loop waits for each in turn)
+                for step in tl.static_range(UNROLL):
+                    largest = tl.maximum(largest, tl.abs(_x_slice(x_row, K, step * BLOCK_K,
+                                                                  EVEN_K, BLOCK_K)))  # fmt: skip
+            else:
+                for start in range(0, K, BLOCK_K):
+                    largest = tl.maximum(largest, tl.abs(_x_slice(x_row, K, start, EVEN_K,
+                                                                  BLOCK_K)))  # fmt: skip
+            x_scale, inverse = row_scales(tl.max(largest, axis=0))
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         # Unrolled, every slice's loads can issue before the first slice's products (bytes in
@@ -127,21 +138,21 @@ def _gemv_kernel(
         if UNROLL:
             for step in tl.static_range(UNROLL):
                 acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K,
-                                     step * BLOCK_K, acc, acc_up, SWIGLU, EVEN_K,
+                                     step * BLOCK_K, acc, acc_up, SWIGLU, QUANTIZED, EVEN_K,
                                      BLOCK_K)  # fmt: skip
         else:
             for start in range(0, K, BLOCK_K):
                 acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K, start, acc,
-                                     acc_up, SWIGLU, EVEN_K, BLOCK_K)  # fmt: skip
-    # As `kernels.matmul.linear`: the fp32 sums times the row's scale, then W's, rounded to x's
-    # dtype, then SiLU·up.
+                                     acc_up, SWIGLU, QUANTIZED, EVEN_K, BLOCK_K)  # fmt: skip
+    # As `kernels.matmul.linear`: the fp32 sums times the row's scale, then W's, rounded to
+    # DTYPE, then SiLU·up.
     value = tl.sum(acc, axis=1) * x_scale * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)
-    value = value.to(x_ptr.dtype.element_ty)
+    value = value.to(DTYPE)
     if SWIGLU:
         up = tl.sum(acc_up, axis=1) * x_scale
         up = up * tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)
-        up = up.to(x_ptr.dtype.element_ty).to(tl.float32)
-        value = silu_times(value.to(tl.float32), up, x_ptr.dtype.element_ty)
+        up = up.to(DTYPE).to(tl.float32)
+        value = silu_times(value.to(tl.float32), up, DTYPE)
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=in_cols)
 
 
@@ -153,15 +164,16 @@ class GemvTiling:
     num_stages: int = 1
 
 
-# A row's bits depend on the tiling, so it follows W's shape [N, K] only, never M: the best of
-# `benchmarks.fp8_matmul --gemv`'s candidates at one row per Ouro-1.4B projection on an H100
-# (docs/quantization.md), and for other shapes the one whose sum over the four was least.
-GEMV_TILING = GemvTiling(2, 1024, 1)
+# A row's bits depend on the tiling, so it follows W's shape [N, K] only, never M: per Ouro-1.4B
+# projection the candidate of `benchmarks.fp8_matmul --gemv --rows 1,2` with the least time summed
+# over one and two rows on an H100 (docs/quantization.md), and for other shapes the one whose sum
+# over the four was least. Every one is a single K slice but the down projection's (three).
+GEMV_TILING = GemvTiling(4, 2048, 4)
 GEMV_TILINGS: dict[tuple[int, int], GemvTiling] = {
-    (6144, 2048): GemvTiling(4, 512, 1),  # qkv
-    (2048, 2048): GemvTiling(2, 1024, 1),  # o
-    (11264, 2048): GemvTiling(2, 1024, 1),  # gate/up
-    (2048, 5632): GemvTiling(4, 1024, 2),  # down
+    (6144, 2048): GemvTiling(8, 2048, 4),  # qkv
+    (2048, 2048): GemvTiling(4, 2048, 4),  # o
+    (11264, 2048): GemvTiling(4, 2048, 4),  # gate/up
+    (2048, 5632): GemvTiling(8, 2048, 4),  # down
 }
 
 
@@ -175,46 +187,51 @@ def gemv_tiling(columns: int, depth: int) -> GemvTiling:
 
 
 def fp8_gemv(
-    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32, a contiguous last dimension
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32, or fp8 rows with `x_scale`; contiguous rows
     weight: torch.Tensor,  # [N, K] float8 e4m3
     scale: torch.Tensor,  # [N] fp32: W's scale per row (models.quant)
     rows_wanted: torch.Tensor | None = None,  # [M] bool: compute these rows, zeros elsewhere
-    out_dtype: torch.dtype | None = None,  # default x's; the values are rounded to x's first
+    out_dtype: torch.dtype | None = None,  # default `dtype`; the values are rounded to it first
     swiglu: bool = False,  # W = [W_gate; W_up]: silu(x W_gate^T) * x W_up^T, [M, N / 2]
     tiling: GemvTiling | None = None,  # default `gemv_tiling` of W's shape
+    x_scale: torch.Tensor | None = None,  # [M] fp32: fp8 rows' scales (`kernels.e4m3`)
+    dtype: torch.dtype | None = None,  # fp8 rows: the dtype they came from (default x's)
 ) -> torch.Tensor:
     """`models.quant.fp8_linear` of x, [M, N], each row on its own (see the module docstring),
-    x quantized in the kernel; with `swiglu`,
-    `fused_ops.silu_mul` of its two halves, each rounded to x's dtype first."""
+    x quantized in the kernel unless it comes quantized (fp8 with `x_scale`: the same bits);
+    with `swiglu`, `fused_ops.silu_mul` of its two halves, each rounded first."""
     rows, depth = x.shape
     columns = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if (
-        weight.dtype != torch.float8_e4m3fn
-        or weight.shape[1] != depth
-        or (swiglu and weight.shape[0] % 2)
-    ):
+    if weight.dtype != FP8 or weight.shape[1] != depth or (swiglu and weight.shape[0] % 2):
         raise ValueError(
             f"fp8_gemv of x {tuple(x.shape)} by W {tuple(weight.shape)} {weight.dtype}: W must "
             "be float8_e4m3fn [N, K]" + (" with N even (swiglu)" if swiglu else "")
         )
     if scale.shape != (weight.shape[0],) or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemv needs an fp32 [{weight.shape[0]}] scale")
+    quantized = x.dtype == FP8
+    if quantized != (x_scale is not None) or (quantized and dtype is None):
+        raise ValueError("fp8_gemv takes fp8 rows with their x_scale and dtype, or 16/32-bit x")
+    if x_scale is not None and (x_scale.shape != (rows,) or x_scale.dtype != torch.float32):
+        raise ValueError(f"fp8_gemv's x_scale must be fp32 [{rows}]")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("fp8_gemv needs x and W with a contiguous last dimension")
     if rows_wanted is not None and (
         rows_wanted.shape != (rows,) or rows_wanted.dtype != torch.bool
     ):
         raise ValueError(f"fp8_gemv's rows_wanted must be a [{rows}] bool mask")
-    out = torch.empty((rows, columns), dtype=out_dtype or x.dtype, device=x.device)
+    dtype = dtype or x.dtype
+    out = torch.empty((rows, columns), dtype=out_dtype or dtype, device=x.device)
     if rows == 0:
         return out
     tile = tiling or gemv_tiling(weight.shape[0], depth)
     grid = (rows, triton.cdiv(columns, tile.block_n))
     slices = triton.cdiv(depth, tile.block_k)
     _gemv_kernel[grid](
-        x, weight, scale, out, x if rows_wanted is None else rows_wanted, columns, depth,
-        x.stride(0), weight.stride(0), out.stride(0), MASKED=rows_wanted is not None,
-        SWIGLU=swiglu, EVEN_K=depth % tile.block_k == 0,
+        x, weight, scale, x if x_scale is None else x_scale, out,
+        x if rows_wanted is None else rows_wanted, columns, depth, x.stride(0),
+        weight.stride(0), out.stride(0), QUANTIZED=quantized, DTYPE=triton_dtype(dtype),
+        MASKED=rows_wanted is not None, SWIGLU=swiglu, EVEN_K=depth % tile.block_k == 0,
         UNROLL=slices if slices <= MAX_UNROLL else 0, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

@@ -1,8 +1,8 @@
 """Batch-invariant matmuls: row bits that never depend on how many rows share the call.
 
 Owns: `linear` (x [M, K] times W [N, K] transposed, rounded to x's dtype; W in x's dtype, or fp8
-e4m3 times rows of e4m3 values held in x's dtype, with a scale per row of each that multiplies
-the fp32 sums (`models.quant`, `kernels.e4m3.quantize_rows`); optionally only the
+e4m3 times fp8 rows (`kernels.e4m3.quantize_rows`), with a scale per row of each that multiplies
+the fp32 sums, rounded to the dtype the rows came from (`models.quant`); optionally only the
 rows a mask asks for; optionally SiLU·up of a fused gate/up projection's halves as the epilogue),
 `gate_logit` (the exit gate's fp32 h·w + b, optionally its sigmoid, one program per row) and the
 tiling each row count gets. Must not: split K, or
@@ -46,17 +46,22 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.kernels.e4m3 import triton_dtype
 from loopserve.kernels.fused_ops import silu_times
+from loopserve.kv.storage import FP8
 
 
 @triton.jit
-def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32). An fp8
-    weight is widened to a's dtype first, which holds every e4m3 value exactly."""
+def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr, FP8_DOT: tl.constexpr,
+         DTYPE: tl.constexpr):  # fmt: skip
+    """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32). fp8
+    operands are widened to DTYPE first, which holds every e4m3 value exactly, unless FP8_DOT:
+    then the tensor cores multiply fp8 by fp8 (Hopper), adding in their own order and precision,
+    so the bits are not the widened dot's."""
     if UPCAST:
         a, w = a.to(tl.float32), w.to(tl.float32)
-    else:
-        w = w.to(a.dtype)
+    elif not FP8_DOT:
+        a, w = a.to(DTYPE), w.to(DTYPE)
     if IEEE:
         return tl.dot(a, w, acc, input_precision="ieee")
     return tl.dot(a, w, acc)
@@ -72,6 +77,8 @@ def _matmul_kernel(
     MASKED: tl.constexpr,  # want_ptr: which rows to compute; the others get zeros
     SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
     SCALED: tl.constexpr,  # an fp8 W: a_scale_ptr / scale_ptr, a's and W's fp32 scales per row
+    FP8_DOT: tl.constexpr,  # fp8 a and W multiplied as fp8 (see `_dot`)
+    DTYPE: tl.constexpr,  # what the sums round to: a's dtype, or the dtype fp8 rows came from
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,11 +108,11 @@ def _matmul_kernel(
         a = tl.load(a_ptr + a_rows * stride_a + depth[None, :], mask=a_mask, other=0.0)
         w_mask = in_depth[:, None] & in_cols[None, :]
         w = tl.load(w_ptr + w_cols + depth[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = _dot(a, w, acc, IEEE, UPCAST)
+        acc = _dot(a, w, acc, IEEE, UPCAST, FP8_DOT, DTYPE)
         if SWIGLU:
             w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)
-            acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
-    # Rounded to x's dtype first, so an fp32 output holds what `F.linear(...).float()` would;
+            acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST, FP8_DOT, DTYPE)
+    # Rounded to DTYPE first, so an fp32 output holds what `F.linear(...).float()` would;
     # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves. With an fp8 W the
     # scales multiply the fp32 sums before that rounding, a's then W's (`models.quant`).
     if SCALED:
@@ -114,10 +121,10 @@ def _matmul_kernel(
         if SWIGLU:
             up_scale = tl.load(scale_ptr + N + cols, mask=in_cols, other=0.0)[None, :]
             acc_up = acc_up * a_scale * up_scale
-    value = acc.to(a_ptr.dtype.element_ty)
+    value = acc.to(DTYPE)
     if SWIGLU:
-        up = acc_up.to(a_ptr.dtype.element_ty).to(tl.float32)
-        value = silu_times(value.to(tl.float32), up, a_ptr.dtype.element_ty)
+        up = acc_up.to(DTYPE).to(tl.float32)
+        value = silu_times(value.to(tl.float32), up, DTYPE)
     value = tl.where(wanted[:, None], value, 0.0)
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -133,6 +140,7 @@ class Tiling:
     block_k: int
     num_warps: int
     num_stages: int
+    fp8_dot: bool = False  # fp8 rows times an fp8 W on the tensor cores as fp8 (`_dot`)
 
 
 def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False) -> Tiling:
@@ -148,7 +156,7 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
     the matmuls")."""
     if dtype == torch.float32:  # the engine's exactness runs; fp32 dots have no fast path
         return Tiling(16 if rows <= 16 else 32, 32, 32, 4, 2)
-    if dtype == torch.float8_e4m3fn:
+    if dtype == FP8:
         return FP8_TILING
     if columns >= WIDE:
         if rows <= 16:
@@ -188,35 +196,37 @@ def fp8_tiling(rows: int, invariant: bool) -> Tiling:
 
 
 def linear(
-    x: torch.Tensor,  # [M, K]; with an fp8 W, e4m3 values (`kernels.e4m3.quantize_rows`)
+    x: torch.Tensor,  # [M, K]; with an fp8 W, fp8 rows (`kernels.e4m3.quantize_rows`)
     weight: torch.Tensor,  # [N, K], x's dtype, or float8 e4m3 with `scale`
     tiling: Tiling | None = None,
     rows_wanted: torch.Tensor | None = None,  # [M] bool: compute these rows, zeros elsewhere
-    out_dtype: torch.dtype | None = None,  # default x's; the values are rounded to x's first
+    out_dtype: torch.dtype | None = None,  # default `dtype`; the values are rounded to it first
     swiglu: bool = False,  # W = [W_gate; W_up]: silu(x W_gate^T) * x W_up^T, [M, N / 2]
     scale: torch.Tensor | None = None,  # [N] fp32: an fp8 W's scale per row (models.quant)
     x_scale: torch.Tensor | None = None,  # [M] fp32: x's scale per row, with an fp8 W
+    dtype: torch.dtype | None = None,  # fp8 rows: the dtype they came from (bf16, fp16, fp32)
 ) -> torch.Tensor:
-    """x W^T, [M, N] (an fp8 W: ((x W^T) * x_scale) * scale, the fp32 sums scaled); with
-    `swiglu`, `fused_ops.silu_mul` of its two halves, [M, N / 2], each half rounded to x's dtype
-    first as a separate matmul's output would be."""
+    """x W^T, [M, N] (an fp8 W: ((x W^T) * x_scale) * scale, the fp32 sums scaled), rounded to
+    x's dtype (fp8 rows: to `dtype`); with `swiglu`, `fused_ops.silu_mul` of its two halves,
+    [M, N / 2], each half rounded first as a separate matmul's output would be."""
     rows, depth = x.shape
     columns = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    fp8 = weight.dtype == torch.float8_e4m3fn
+    fp8 = weight.dtype == FP8
     if (
         weight.shape[1] != depth
         or (swiglu and weight.shape[0] % 2)
         or (not fp8 and weight.dtype != x.dtype)
-        or x.dtype == torch.float8_e4m3fn
+        or (fp8 and x.dtype != FP8)
     ):
         raise ValueError(
             f"linear of x {tuple(x.shape)} {x.dtype} by W {tuple(weight.shape)} {weight.dtype}: "
-            "W must be [N, K] of x's dtype or float8_e4m3fn, x not float8"
+            "W must be [N, K] of x's dtype, or float8_e4m3fn by float8 rows"
             + (" with N even (swiglu)" if swiglu else "")
         )
     if fp8 and (
         scale is None
         or x_scale is None
+        or dtype is None
         or scale.shape != (weight.shape[0],)
         or x_scale.shape != (rows,)
         or scale.dtype != torch.float32
@@ -224,32 +234,36 @@ def linear(
     ):
         raise ValueError(
             f"linear by an fp8 W [{weight.shape[0]}, K] needs fp32 scales [{rows}] (x_scale) and "
-            f"[{weight.shape[0]}] (scale)"
+            f"[{weight.shape[0]}] (scale), and the rows' dtype"
         )
-    if not fp8 and (scale is not None or x_scale is not None):
-        raise ValueError(f"linear by a {weight.dtype} W takes no scales")
+    if not fp8 and (scale is not None or x_scale is not None or dtype not in (None, x.dtype)):
+        raise ValueError(f"linear by a {weight.dtype} W takes no scales and rounds to its dtype")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("linear needs x and W with a contiguous last dimension")
     wanted = rows_wanted
     if wanted is not None and (wanted.shape != (rows,) or wanted.dtype != torch.bool):
         raise ValueError(f"linear's rows_wanted must be a [{rows}] bool mask")
-    out = torch.empty((rows, columns), dtype=out_dtype or x.dtype, device=x.device)
+    dtype = dtype or x.dtype
+    out = torch.empty((rows, columns), dtype=out_dtype or dtype, device=x.device)
     if rows == 0:
         return out
-    # fp32 x (exactness runs) takes fp32's tiling whatever W's dtype.
-    tile_dtype = torch.float32 if x.dtype == torch.float32 else weight.dtype
+    # fp32 rows (exactness runs) take fp32's tiling whatever W's dtype.
+    tile_dtype = torch.float32 if dtype == torch.float32 else weight.dtype
     tile = tiling or tiling_for(rows, columns, tile_dtype, swiglu)
+    if tile.fp8_dot and (not fp8 or dtype == torch.float32):
+        raise ValueError("an fp8_dot tiling multiplies fp8 rows by an fp8 W in 16-bit dtypes")
     grid = (triton.cdiv(columns, tile.block_n), triton.cdiv(rows, tile.block_m))
     masked = rows_wanted is not None
     _matmul_kernel[grid](
         x, weight, x if scale is None else scale, x if x_scale is None else x_scale, out,
         rows_wanted if masked else x, rows, columns, depth, x.stride(0), weight.stride(0),
-        out.stride(0), IEEE=x.dtype == torch.float32,
+        out.stride(0), IEEE=dtype == torch.float32,
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
         # operands are exact for bf16 / fp16 / fp8 values.
         UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0, MASKED=masked,
-        SWIGLU=swiglu, SCALED=fp8, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        SWIGLU=swiglu, SCALED=fp8, FP8_DOT=tile.fp8_dot, DTYPE=triton_dtype(dtype),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out
 

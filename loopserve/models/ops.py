@@ -179,15 +179,19 @@ class TritonOps(TorchOps):
     count for some shapes (kernels/matmul.py says which).
 
     FP8 weights (`models.quant`: activations quantized per row, W8A8): at up to `GEMV_ROWS`
-    16-bit rows `kernels.gemv.fp8_gemv`, which quantizes each row itself and reads the weights at
-    memory speed; past `SCALED_MM_ROWS` on Hopper, the rows quantized by
-    `kernels.e4m3.quantize_rows` and multiplied by cuBLAS (`models.quant.scaled_mm`, fp8 tensor
-    cores); in between, and wherever cuBLAS cannot (a row mask, fp16, older GPUs), the rows'
-    e4m3 values in x's dtype times the weight in `kernels.matmul.linear` (widened to bf16 in
-    registers; the tiling by row count, `kernels.matmul.fp8_tiling`). These sum in different
-    orders, so a request's bits depend on which side of those row counts its steps fall (as
-    bf16's do past 64 rows under cuBLAS). `batch_invariant` keeps `linear` under one tiling at
-    every row count, and so do fp32 rows (the exactness runs), under fp32's.
+    16-bit rows `kernels.gemv.fp8_gemv`, which reads the weights at memory speed; past
+    `SCALED_MM_ROWS` on Hopper, cuBLAS (`models.quant.scaled_mm`, fp8 tensor cores); in between,
+    and wherever cuBLAS cannot (a row mask, fp16, older GPUs), `kernels.matmul.linear` (both
+    operands widened to bf16 in registers; the tiling by row count, `kernels.matmul.fp8_tiling`).
+    These sum in different orders, so a request's bits depend on which side of those row counts
+    its steps fall (as bf16's do past 64 rows under cuBLAS). `batch_invariant` keeps `linear`
+    under one tiling at every row count, and so do fp32 rows (the exactness runs), under fp32's.
+    With `quantize_inputs` (a model with fp8 weights) the kernels that make the qkv and gate/up
+    projections' input (`add_norm`) and, past `SCALED_MM_ROWS`, the down projection's (SiLU·up)
+    also write it quantized (`kernels.e4m3.store_quantized`) and tag the tensor they return with
+    those rows (`E4M3_ROWS`), so the projection that reads it needs neither a `quantize_rows`
+    launch nor the GEMV's pass for the row's scale. The rows are those `quantize_rows` would make,
+    bit for bit, so the tag changes no result (tests/kernels/test_fused_ops.py).
     """
 
     rotary_is_fused_ops = True
@@ -199,12 +203,20 @@ class TritonOps(TorchOps):
     # (docs/quantization.md, "Where it runs").
     GEMV_ROWS = 2
     SCALED_MM_ROWS = 16
+    # The attribute by which a tensor carries its rows quantized (float8, fp32 scales): set by
+    # `add_norm` and `silu_mul` here, read by `_triton_linear`; a view or copy does not carry it.
+    E4M3_ROWS = "loopserve_e4m3_rows"
 
-    def __init__(self, batch_invariant: bool = False) -> None:
+    def __init__(self, batch_invariant: bool = False, quantize_inputs: bool = False) -> None:
         from loopserve.kernels import fused_ops
 
         self._kernels = fused_ops
         self.batch_invariant = batch_invariant
+        self.quantize_inputs = quantize_inputs
+
+    def _tag(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if rows is not None:
+            setattr(x, self.E4M3_ROWS, rows)
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return self._kernels.rms_norm(x, norm.weight, norm.eps)
@@ -219,9 +231,11 @@ class TritonOps(TorchOps):
         if update_norm is not None and update_norm.eps != out_norm.eps:
             raise ValueError("fused add_norm needs both norms to share eps")
         update_weight = None if update_norm is None else update_norm.weight
-        return self._kernels.add_norm(
-            update, residual, update_weight, out_norm.weight, out_norm.eps
+        total, normed, rows = self._kernels.add_norm(
+            update, residual, update_weight, out_norm.weight, out_norm.eps, self.quantize_inputs
         )
+        self._tag(normed, rows)
+        return total, normed
 
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -246,26 +260,34 @@ class TritonOps(TorchOps):
             return linear(x, layer.weight, rows_wanted=rows_wanted, swiglu=swiglu)
         rows = x.shape[0]
         invariant = self.batch_invariant or x.dtype == torch.float32
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = getattr(x, self.E4M3_ROWS, None)
         if not invariant and rows <= self.GEMV_ROWS:
             from loopserve.kernels.gemv import fp8_gemv
 
-            return fp8_gemv(x, layer.weight, scale, rows_wanted, swiglu=swiglu)
+            if quantized is None:  # the GEMV quantizes the row itself
+                return fp8_gemv(x, layer.weight, scale, rows_wanted, swiglu=swiglu)
+            x8, x_scale = quantized
+            return fp8_gemv(x8, layer.weight, scale, rows_wanted, swiglu=swiglu,
+                            x_scale=x_scale, dtype=x.dtype)  # fmt: skip
         from loopserve.kernels.e4m3 import quantize_rows
 
+        x8, x_scale = quantized or quantize_rows(x)
         if (
             not invariant
             and rows > self.SCALED_MM_ROWS
             and rows_wanted is None
             and scaled_mm_fits(x, layer.weight)
         ):
-            out = scaled_mm(*quantize_rows(x), layer.weight, scale)
-            return self.silu_mul(*out.chunk(2, dim=-1)) if swiglu else out
-        # The e4m3 values in x's dtype (exact), which the matmul multiplies as it would x.
-        x_grid, x_scale = quantize_rows(x, x.dtype)
+            out = scaled_mm(x8, x_scale, layer.weight, scale)
+            if not swiglu:
+                return out
+            gate, up = out.chunk(2, dim=-1)
+            activated, rows8 = self._kernels.silu_mul_rows(gate, up, self.quantize_inputs)
+            self._tag(activated, rows8)
+            return activated
         tiling = None if x.dtype == torch.float32 else fp8_tiling(rows, invariant)
-        return linear(
-            x_grid, layer.weight, tiling, rows_wanted, swiglu=swiglu, scale=scale, x_scale=x_scale
-        )
+        return linear(x8, layer.weight, tiling, rows_wanted, swiglu=swiglu, scale=scale,
+                      x_scale=x_scale, dtype=x.dtype)  # fmt: skip
 
     def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         if weight_scale(layer) is None:

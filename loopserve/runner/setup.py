@@ -117,7 +117,10 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
         quantized = quantize_model(model)
         logger.info("fp8 weights: %d projections quantized at load", quantized)
     if fused:
-        model.ops = TritonOps(batch_invariant=config.batch_invariant)
+        model.ops = TritonOps(
+            batch_invariant=config.batch_invariant,
+            quantize_inputs=quantization_of(model) == "fp8",
+        )
     invariant = " with batch-invariant matmuls" if config.batch_invariant else ""
     logger.info("layer ops: %s%s", type(model.ops).__name__, invariant)
     return model

@@ -45,9 +45,9 @@ def _linear(
     tiling: Tiling | None = None,
     **options: object,
 ) -> torch.Tensor:
-    """`linear` of x's rows quantized per token (their e4m3 values in x's dtype) by an fp8 W."""
+    """`linear` of x's rows quantized per token by an fp8 W."""
     x8, x_scale = quantize_activations(x)
-    return linear(x8.to(x.dtype), weight, tiling, scale=scale, x_scale=x_scale, **options)  # type: ignore[arg-type]
+    return linear(x8, weight, tiling, scale=scale, x_scale=x_scale, dtype=x.dtype, **options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("depth", [300, 512])  # a K tail in every tiling; none
@@ -92,20 +92,26 @@ def test_rows_wanted_keeps_their_values_and_zeroes_the_rest(device: torch.device
 def test_refuses_missing_or_misshapen_scales(device: torch.device) -> None:
     x, weight, scale = _fp8_operands(2, 64, 16, torch.bfloat16, device)
     x8, x_scale = quantize_activations(x)
-    grid = x8.to(x.dtype)
-    needs = r"needs fp32 scales \[2\] \(x_scale\) and \[16\] \(scale\)"
+    bf16 = torch.bfloat16
+    needs = r"needs fp32 scales \[2\] \(x_scale\) and \[16\] \(scale\), and the rows' dtype"
     with pytest.raises(ValueError, match=needs):
-        linear(grid, weight, x_scale=x_scale)
+        linear(x8, weight, x_scale=x_scale, dtype=bf16)
     with pytest.raises(ValueError, match=needs):
-        linear(grid, weight, scale=scale)
+        linear(x8, weight, scale=scale, dtype=bf16)
     with pytest.raises(ValueError, match=needs):
-        linear(grid, weight, scale=scale[:8], x_scale=x_scale)
+        linear(x8, weight, scale=scale[:8], x_scale=x_scale, dtype=bf16)
     with pytest.raises(ValueError, match=needs):
-        linear(grid, weight, scale=scale, x_scale=x_scale.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="x not float8"):
+        linear(x8, weight, scale=scale, x_scale=x_scale.to(bf16), dtype=bf16)
+    with pytest.raises(ValueError, match=needs):
         linear(x8, weight, scale=scale, x_scale=x_scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn by float8 rows"):
+        linear(x8.to(bf16), weight, scale=scale, x_scale=x_scale, dtype=bf16)
     with pytest.raises(ValueError, match="takes no scales"):
-        linear(x, weight.to(torch.bfloat16), scale=scale)
+        linear(x, weight.to(bf16), scale=scale)
+    with pytest.raises(ValueError, match="an fp8_dot tiling"):
+        linear(x, weight.to(bf16), Tiling(16, 16, 32, 4, 2, fp8_dot=True))
+    with pytest.raises(ValueError, match="no rounding to"):
+        linear(x8, weight, scale=scale, x_scale=x_scale, dtype=torch.int32)
 
 
 @pytest.mark.gpu
@@ -148,3 +154,21 @@ def test_fp8_tiling_follows_the_row_count_only_where_bits_may() -> None:
     assert fp8_tiling(16, invariant=False) == FP8_TILING
     assert fp8_tiling(17, invariant=False) == FP8_MID_TILING
     assert fp8_tiling(129, invariant=False) == FP8_MANY_TILING
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_fp8_dot_tilings_give_the_scaled_sums(device: torch.device, rows: int) -> None:
+    """fp8 rows times the fp8 W on the tensor cores as fp8 (`Tiling.fp8_dot`, Hopper's fast path
+    for rows whose bits may follow their batch): the exact scaled sums to bf16 rounding (the
+    interpreter widens them as the other tilings do), SiLU·up and a row mask included."""
+    x, weight, scale = _fp8_operands(rows, 512, 2 * 48, torch.bfloat16, device)
+    tiling = Tiling(16, 32, 128, 4, 3, fp8_dot=True)
+    got = _linear(x, weight, scale, tiling)
+    torch.testing.assert_close(got.double(), _exact(x, weight, scale), rtol=1e-2, atol=2e-2)
+    gate, up = got.chunk(2, dim=-1)
+    swiglu = _linear(x, weight, scale, tiling, swiglu=True)
+    assert torch.equal(swiglu, silu_mul(gate.contiguous(), up.contiguous()))
+    wanted = torch.zeros(rows, dtype=torch.bool, device=device)
+    wanted[1] = True
+    some = _linear(x, weight, scale, tiling, rows_wanted=wanted)
+    assert torch.equal(some[1], got[1]) and not some[~wanted].any()

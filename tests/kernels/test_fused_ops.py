@@ -11,7 +11,7 @@ from loopserve.models.checkpoint_writer import random_state_dict
 from loopserve.models.layers import LoopContext
 from loopserve.models.ops import RMSNorm, TorchOps, TritonOps
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.quant import Fp8Linear, Linear, quantize_model
+from loopserve.models.quant import Fp8Linear, Linear, quantize_activations, quantize_model
 from loopserve.reference import attend
 from tests.conftest import TINY_CONFIG
 from tests.kernels.conftest import ON_GPU
@@ -193,6 +193,61 @@ def test_fp8_rows_take_the_gemv_then_linear_then_scaled_mm(
     assert calls == ["linear", "linear"]
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_rows_the_ops_quantize_on_the_way_out_change_no_bits(
+    device: torch.device, batch_invariant: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`quantize_inputs`: `add_norm`'s output carries its rows quantized, bit for bit what
+    `quantize_rows` makes (`models.quant.quantize_activations`), and so does SiLU·up after
+    cuBLAS's fp8 gate/up past SCALED_MM_ROWS; the fp8 projection that reads such a tensor runs no
+    `quantize_rows` and gives the bits it gives without the tag."""
+    from loopserve.kernels import e4m3
+    from loopserve.models import ops as ops_module
+
+    launches: list[int] = []
+    quantize_rows = e4m3.quantize_rows
+
+    def counted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        launches.append(x.shape[0])
+        return quantize_rows(x)
+
+    monkeypatch.setattr(e4m3, "quantize_rows", counted)
+    monkeypatch.setattr(ops_module, "scaled_mm_fits", lambda x, weight: True)
+    torch.manual_seed(8)
+    bf16 = torch.bfloat16
+    gate_up, down = (
+        _projection(2 * 48, 96, bf16, device, True),
+        _projection(96, 48, bf16, device, True),
+    )
+    first, second = norm(96, bf16, device), norm(96, bf16, device)
+    plain = TritonOps(batch_invariant)
+    tagging = TritonOps(batch_invariant, quantize_inputs=True)
+    for rows in (1, plain.GEMV_ROWS + 1, plain.SCALED_MM_ROWS + 1):
+        update = torch.randn(rows, 96).to(device=device, dtype=bf16)
+        residual = torch.randn(rows, 96).to(device=device, dtype=bf16)
+        normed = plain.add_norm(update, residual, first, second)[1]
+        tagged = tagging.add_norm(update, residual, first, second)[1]
+        assert torch.equal(tagged, normed) and not hasattr(normed, TritonOps.E4M3_ROWS)
+        x8, x_scale = getattr(tagged, TritonOps.E4M3_ROWS)
+        expected8, expected_scale = quantize_activations(normed)
+        assert torch.equal(x8.view(torch.uint8), expected8.view(torch.uint8))
+        assert torch.equal(x_scale, expected_scale)
+        launches.clear()
+        activated = tagging.swiglu(tagged, gate_up)
+        out = tagging.down_proj(activated, down)
+        fused_rows = not batch_invariant and rows > plain.SCALED_MM_ROWS
+        own_pass = not batch_invariant and rows <= plain.GEMV_ROWS  # the GEMV's
+        assert launches == ([] if fused_rows or own_pass else [rows]), rows
+        assert hasattr(activated, TritonOps.E4M3_ROWS) == fused_rows
+        if fused_rows:
+            a8, a_scale = getattr(activated, TritonOps.E4M3_ROWS)
+            expected8, expected_scale = quantize_activations(activated)
+            assert torch.equal(a8.view(torch.uint8), expected8.view(torch.uint8))
+            assert torch.equal(a_scale, expected_scale)
+        assert torch.equal(activated, plain.swiglu(normed, gate_up))
+        assert torch.equal(out, plain.down_proj(activated.clone(), down))  # a clone: no tag
+
+
 @pytest.mark.parametrize(("batch_invariant", "fp8"), [(False, False), (True, False), (False, True)])
 def test_a_fused_loop_matches_the_torch_loop(
     device: torch.device, batch_invariant: bool, fp8: bool
@@ -222,6 +277,9 @@ def test_a_fused_loop_matches_the_torch_loop(
         model.ops = TritonOps(batch_invariant=batch_invariant)
         actual = model.run_loop(hidden, context)
         hazard = model.exit_probability(expected, hidden, 0.5)
+        if fp8:  # the rows quantized by add_norm on the way out: the same bits
+            model.ops = TritonOps(batch_invariant=batch_invariant, quantize_inputs=True)
+            assert torch.equal(model.run_loop(hidden, context), actual)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hazard, expected_hazard, rtol=1e-6, atol=1e-6)
 

@@ -10,7 +10,7 @@ import torch
 
 from loopserve.kernels.fused_ops import silu_mul
 from loopserve.kernels.gemv import MAX_UNROLL, GemvTiling, fp8_gemv
-from loopserve.models.quant import fp8_linear
+from loopserve.models.quant import fp8_linear, quantize_activations
 from tests.kernels.conftest import ON_GPU
 from tests.kernels.test_fp8_matmul import _exact, _fp8_operands
 
@@ -76,6 +76,26 @@ def test_rows_wanted_keeps_their_values_and_zeroes_the_rest(
     assert torch.equal(some[wanted], every[wanted].float()) and not some[~wanted].any()
 
 
+@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_that_come_quantized_give_the_same_bits(
+    device: torch.device, dtype: torch.dtype, tiling: GemvTiling
+) -> None:
+    """fp8 rows with their scales (what `kernels.fused_ops.add_norm` hands on) skip the kernel's
+    own quantization and give its bits, SiLU·up and row masks included."""
+    x, weight, scale = _fp8_operands(3, 300, 2 * 24, dtype, device)
+    x8, x_scale = quantize_activations(x)
+    made = {"x_scale": x_scale, "dtype": dtype}
+    assert torch.equal(fp8_gemv(x8, weight, scale, tiling=tiling, **made),
+                       fp8_gemv(x, weight, scale, tiling=tiling))  # fmt: skip
+    swiglu = fp8_gemv(x, weight, scale, swiglu=True, tiling=tiling)
+    assert torch.equal(fp8_gemv(x8, weight, scale, swiglu=True, tiling=tiling, **made), swiglu)
+    wanted = torch.tensor([False, True, False], device=device)
+    some = fp8_gemv(x8, weight, scale, wanted, tiling=tiling, **made)
+    every = fp8_gemv(x, weight, scale, tiling=tiling)
+    assert torch.equal(some[1], every[1]) and not some[~wanted].any()
+
+
 def test_refuses_what_it_cannot_compute(device: torch.device) -> None:
     x, weight, scale = _fp8_operands(2, 64, 16, torch.bfloat16, device)
     with pytest.raises(ValueError, match="W must be float8_e4m3fn"):
@@ -87,6 +107,13 @@ def test_refuses_what_it_cannot_compute(device: torch.device) -> None:
     with pytest.raises(ValueError, match=r"rows_wanted must be a \[2\] bool mask"):
         fp8_gemv(x, weight, scale, torch.ones(3, dtype=torch.bool, device=device))
     assert fp8_gemv(x[:0], weight, scale).shape == (0, 16)
+    x8, x_scale = quantize_activations(x)
+    with pytest.raises(ValueError, match="fp8 rows with their x_scale and dtype"):
+        fp8_gemv(x8, weight, scale, x_scale=x_scale)
+    with pytest.raises(ValueError, match="fp8 rows with their x_scale and dtype"):
+        fp8_gemv(x, weight, scale, x_scale=x_scale, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x_scale must be fp32 \[2\]"):
+        fp8_gemv(x8, weight, scale, x_scale=x_scale[:1], dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -104,6 +131,10 @@ def test_ouro_shapes_under_every_candidate_tiling(device: torch.device, shape: s
         every = fp8_gemv(x, weight, scale, swiglu=swiglu, tiling=tiling)
         alone = fp8_gemv(x[3:4], weight, scale, swiglu=swiglu, tiling=tiling)
         assert torch.equal(alone, every[3:4])
+        x8, x_scale = quantize_activations(x)
+        made = fp8_gemv(x8, weight, scale, swiglu=swiglu, tiling=tiling, x_scale=x_scale,
+                        dtype=x.dtype)  # fmt: skip
+        assert torch.equal(made, every), tiling
         if swiglu:
             expected = torch.nn.functional.silu(gate) * up
             torch.testing.assert_close(every.double(), expected, rtol=2e-2, atol=2e-2)
