@@ -169,27 +169,39 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
     return Tiling(128, 64, 64, 8, 3)
 
 
-# fp8 weights: one tiling at every row count. On the H200 an fp8 row's bits changed with the
-# tiling (Ouro-1.4B's qkv, 128 rows under 64 x 64 x 128 against one row under 16 x 32 x 256), so
-# unlike bf16 the tiling may not follow the row count. This one is the best or within 5 % of the
-# best of `benchmarks.fp8_matmul`'s candidates at 1 to 32 rows of all four projections (decode,
-# where reading half the bytes counts); at 64 rows it is 1.0-1.25x the best, more rows unmeasured.
+# fp8 weights where the GPU multiplies fp8 by fp8 (compute capability 8.9 and up; the CPU
+# interpreter widens to fp32 instead): fp8 rows by the fp8 weight on the tensor cores. Of
+# `benchmarks.fp8_matmul --made-rows`'s candidates (call L, H100, summed over Ouro-1.4B's four
+# projections) this tiling is the best or within 3 % of the best at 1, 2, 16, 32 and 128 rows:
+# 40.9-49.1 µs where cuBLAS's fp8 matmul took 52.3-53.1, cuBLAS bf16 52.8-57.8, and the widening
+# tilings below 90-318 on fp8 rows. One tiling at every row count, so a row's bits do not depend
+# on M (tests/kernels/test_fp8_matmul.py holds that on the GPU).
+FP8_DOT_TILING = Tiling(64, 64, 256, 4, 3, fp8_dot=True)
+# Elsewhere (fp32 rows, the exactness runs, take fp32's tiling): both operands widened to the
+# rows' dtype in registers. One tiling at every row count where a row's bits must not follow its
+# batch; the best or within 5 % of the best at 1 to 32 rows on the H200 when the rows were fed
+# as bf16 (fp8 rows widened in registers cost more: 90 µs at 1-16 rows on an H100).
 FP8_TILING = Tiling(16, 32, 256, 4, 3)
-# Where a row's bits may follow its batch (fp8 weights without `batch_invariant`, past 16 rows
-# where cuBLAS's fp8 matmul does not fit: models.ops.TritonOps), prompt chunks and large decode
-# batches take tilings that do not re-read the weights per 16 rows: of `benchmarks.fp8_matmul`'s
-# candidates, the best summed over Ouro-1.4B's four projections at 128 rows (110.7 against
-# FP8_TILING's 148.1 µs on an H100) and at 512 (216.5 against 518.3 µs). At 16 rows none beat
-# FP8_TILING by more than 1 %. Tilings with the weight as the MMA's first operand (W x^T, the
-# fp8 -> bf16 widening in registers) were slower at 16, 128 and 512 rows, 1.1-3.8x. (Measured
-# with unquantized bf16 rows; the rows' e4m3 values in bf16 load and multiply the same way.)
+# Where a row's bits may follow its batch, prompt chunks and large decode batches take tilings
+# that do not re-read the weights per 16 rows: of `benchmarks.fp8_matmul`'s candidates, the best
+# summed over Ouro-1.4B's four projections at 128 rows (110.7 against FP8_TILING's 148.1 µs on an
+# H100, bf16 rows) and at 512 (216.5 against 518.3 µs).
 FP8_MID_TILING = Tiling(32, 64, 128, 4, 3)  # 17 to 128 rows
 FP8_MANY_TILING = Tiling(128, 64, 64, 8, 3)
 
 
-def fp8_tiling(rows: int, invariant: bool) -> Tiling:
-    """An fp8 weight's tiling over `rows` 16-bit rows: `FP8_TILING` at every row count where a
-    row's bits must not depend on M (`invariant`), else by row count."""
+def fp8_dots(device: torch.device) -> bool:
+    """Whether `FP8_DOT_TILING` runs on `device`: a GPU of compute capability 8.9 or more, or
+    the CPU (the interpreter, which widens the operands to fp32)."""
+    return device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_tiling(rows: int, invariant: bool, dots: bool) -> Tiling:
+    """An fp8 weight's tiling over `rows` 16-bit rows: `FP8_DOT_TILING` where fp8 `dots` run,
+    else `FP8_TILING` at every row count where a row's bits must not depend on M (`invariant`),
+    and by row count where they may."""
+    if dots:
+        return FP8_DOT_TILING
     if invariant or rows <= 16:
         return FP8_TILING
     return FP8_MID_TILING if rows <= 128 else FP8_MANY_TILING

@@ -180,12 +180,12 @@ class TritonOps(TorchOps):
 
     FP8 weights (`models.quant`: activations quantized per row, W8A8): at up to `GEMV_ROWS`
     16-bit rows `kernels.gemv.fp8_gemv`, which reads the weights at memory speed; past
-    `SCALED_MM_ROWS` on Hopper, cuBLAS (`models.quant.scaled_mm`, fp8 tensor cores); in between,
-    and wherever cuBLAS cannot (a row mask, fp16, older GPUs), `kernels.matmul.linear` (both
-    operands widened to bf16 in registers; the tiling by row count, `kernels.matmul.fp8_tiling`).
-    These sum in different orders, so a request's bits depend on which side of those row counts
-    its steps fall (as bf16's do past 64 rows under cuBLAS). `batch_invariant` keeps `linear`
-    under one tiling at every row count, and so do fp32 rows (the exactness runs), under fp32's.
+    `SCALED_MM_ROWS` on Hopper, cuBLAS (`models.quant.scaled_mm`); in between, and wherever
+    cuBLAS cannot (a row mask, fp16, older GPUs), `kernels.matmul.linear` (fp8 by fp8 on the
+    tensor cores where the GPU can, `kernels.matmul.fp8_tiling`). These sum in different
+    orders, so a request's bits depend on which side of those row counts its steps fall (as
+    bf16's do past 64 rows under cuBLAS). `batch_invariant` keeps `linear` under one tiling at
+    every row count, and so do fp32 rows (the exactness runs), under fp32's.
     With `quantize_inputs` (a model with fp8 weights) the kernels that make the qkv and gate/up
     projections' input (`add_norm`) and, past `SCALED_MM_ROWS`, the down projection's (SiLU·up)
     also write it quantized (`kernels.e4m3.store_quantized`) and tag the tensor they return with
@@ -199,10 +199,13 @@ class TritonOps(TorchOps):
     # µs at 1, 4, 8 and 16 rows of Ouro-1.4B (docs/latency.md, "Norms and SiLU·up into the
     # matmuls"; 32 rows unmeasured).
     SWIGLU_ROWS = 16
-    # fp8 weights through the GEMV up to the first, through cuBLAS's fp8 matmul past the second
-    # (docs/quantization.md, "Where it runs").
+    # fp8 weights through the GEMV up to the first, through cuBLAS's fp8 matmul past the second:
+    # on an H100, with rows made by add_norm, summed over Ouro-1.4B's four projections, the GEMV
+    # 32.1 / 38.5 µs at 1 / 2 rows against 40.9 / 41.4 for the fp8-dot matmul, which beats cuBLAS
+    # up to 128 rows (49.1 against 53.1) and not at 512 (103.5 against 76.2) (docs/quantization.md,
+    # "Where it runs").
     GEMV_ROWS = 2
-    SCALED_MM_ROWS = 16
+    SCALED_MM_ROWS = 128
     # The attribute by which a tensor carries its rows quantized (float8, fp32 scales): set by
     # `add_norm` and `silu_mul` here, read by `_triton_linear`; a view or copy does not carry it.
     E4M3_ROWS = "loopserve_e4m3_rows"
@@ -253,7 +256,7 @@ class TritonOps(TorchOps):
         swiglu: bool = False,
     ) -> torch.Tensor:
         """`kernels.matmul.linear`; fp8 weights as the class docstring says."""
-        from loopserve.kernels.matmul import fp8_tiling, linear
+        from loopserve.kernels.matmul import fp8_dots, fp8_tiling, linear
 
         scale = weight_scale(layer)
         if scale is None:
@@ -285,7 +288,8 @@ class TritonOps(TorchOps):
             activated, rows8 = self._kernels.silu_mul_rows(gate, up, self.quantize_inputs)
             self._tag(activated, rows8)
             return activated
-        tiling = None if x.dtype == torch.float32 else fp8_tiling(rows, invariant)
+        dots = fp8_dots(x.device)
+        tiling = None if x.dtype == torch.float32 else fp8_tiling(rows, invariant, dots)
         return linear(x8, layer.weight, tiling, rows_wanted, swiglu=swiglu, scale=scale,
                       x_scale=x_scale, dtype=x.dtype)  # fmt: skip
 

@@ -11,10 +11,12 @@ import torch
 
 from loopserve.kernels.fused_ops import silu_mul
 from loopserve.kernels.matmul import (
+    FP8_DOT_TILING,
     FP8_MANY_TILING,
     FP8_MID_TILING,
     FP8_TILING,
     Tiling,
+    fp8_dots,
     fp8_tiling,
     linear,
     tiling_for,
@@ -147,28 +149,32 @@ def test_ouro_projections_on_the_gpu(device: torch.device) -> None:
 
 
 def test_fp8_tiling_follows_the_row_count_only_where_bits_may() -> None:
-    """`batch_invariant` keeps `FP8_TILING` at every row count; otherwise prompt chunks and large
-    batches get wider tiles (the rows' values are checked under every candidate above)."""
+    """Where fp8 dots run, one fp8-dot tiling at every row count; elsewhere `batch_invariant`
+    keeps `FP8_TILING` at every row count, and otherwise prompt chunks and large batches get
+    wider tiles (the rows' values are checked under every candidate above)."""
     counts = (1, 16, 17, 128, 129, 2048)
-    assert {fp8_tiling(rows, invariant=True) for rows in counts} == {FP8_TILING}
-    assert fp8_tiling(16, invariant=False) == FP8_TILING
-    assert fp8_tiling(17, invariant=False) == FP8_MID_TILING
-    assert fp8_tiling(129, invariant=False) == FP8_MANY_TILING
+    for invariant in (True, False):
+        assert {fp8_tiling(rows, invariant, dots=True) for rows in counts} == {FP8_DOT_TILING}
+    assert {fp8_tiling(rows, invariant=True, dots=False) for rows in counts} == {FP8_TILING}
+    assert fp8_tiling(16, invariant=False, dots=False) == FP8_TILING
+    assert fp8_tiling(17, invariant=False, dots=False) == FP8_MID_TILING
+    assert fp8_tiling(129, invariant=False, dots=False) == FP8_MANY_TILING
+    assert fp8_dots(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("rows", [3, 40])
-def test_fp8_dot_tilings_give_the_scaled_sums(device: torch.device, rows: int) -> None:
-    """fp8 rows times the fp8 W on the tensor cores as fp8 (`Tiling.fp8_dot`, Hopper's fast path
-    for rows whose bits may follow their batch): the exact scaled sums to bf16 rounding (the
-    interpreter widens them as the other tilings do), SiLU·up and a row mask included."""
-    x, weight, scale = _fp8_operands(rows, 512, 2 * 48, torch.bfloat16, device)
-    tiling = Tiling(16, 32, 128, 4, 3, fp8_dot=True)
-    got = _linear(x, weight, scale, tiling)
-    torch.testing.assert_close(got.double(), _exact(x, weight, scale), rtol=1e-2, atol=2e-2)
-    gate, up = got.chunk(2, dim=-1)
-    swiglu = _linear(x, weight, scale, tiling, swiglu=True)
-    assert torch.equal(swiglu, silu_mul(gate.contiguous(), up.contiguous()))
-    wanted = torch.zeros(rows, dtype=torch.bool, device=device)
-    wanted[1] = True
-    some = _linear(x, weight, scale, tiling, rows_wanted=wanted)
-    assert torch.equal(some[1], got[1]) and not some[~wanted].any()
+@pytest.mark.gpu
+def test_fp8_dot_rows_have_their_alone_bits_at_ouro_shapes(device: torch.device) -> None:
+    """`FP8_DOT_TILING` (what `batch_invariant` runs on Hopper): every sampled row of Ouro-1.4B's
+    projections keeps its alone bits up to a 512-token chunk, and the values are the exact scaled
+    sums to bf16 rounding."""
+    for columns, depth in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
+        x, weight, scale = _fp8_operands(512, depth, columns, torch.bfloat16, device)
+        alone = {
+            row: _linear(x[row : row + 1], weight, scale, FP8_DOT_TILING)[0] for row in (0, 17, 511)
+        }
+        for rows in (1, 2, 3, 16, 17, 64, 65, 128, 129, 512):
+            out = _linear(x[:rows], weight, scale, FP8_DOT_TILING)
+            for row, bits in alone.items():
+                if row < rows:
+                    assert torch.equal(out[row], bits), (columns, depth, rows, row)
+        torch.testing.assert_close(out.double(), _exact(x, weight, scale), rtol=1e-2, atol=1e-2)

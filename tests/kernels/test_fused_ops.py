@@ -161,7 +161,14 @@ def test_fp8_rows_take_the_gemv_then_linear_then_scaled_mm(
     ops = TritonOps(batch_invariant=batch_invariant)
     fits = {"now": True}
     monkeypatch.setattr(ops_module, "scaled_mm_fits", lambda x, weight: fits["now"])
-    cases = [(1, True), (ops.GEMV_ROWS, True), (ops.GEMV_ROWS + 1, True), (17, False), (17, True)]
+    past = ops.SCALED_MM_ROWS + 1
+    cases = [
+        (1, True),
+        (ops.GEMV_ROWS, True),
+        (ops.GEMV_ROWS + 1, True),
+        (past, False),
+        (past, True),
+    ]
     for rows, cublas_fits in cases:
         fits["now"] = cublas_fits
         x = torch.randn(rows, 96).to(device=device, dtype=torch.bfloat16)
@@ -189,7 +196,7 @@ def test_fp8_rows_take_the_gemv_then_linear_then_scaled_mm(
     calls.clear()
     fits["now"] = True
     ops.linear(torch.randn(2, 96, device=device), layer)
-    ops.linear(torch.randn(17, 96, device=device), layer)
+    ops.linear(torch.randn(past, 96, device=device), layer)
     assert calls == ["linear", "linear"]
 
 
