@@ -56,11 +56,15 @@ def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr, FP8_DOT: tl.conste
          DTYPE: tl.constexpr):  # fmt: skip
     """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32). fp8
     operands are widened to DTYPE first, which holds every e4m3 value exactly, unless FP8_DOT:
-    then the tensor cores multiply fp8 by fp8 (Hopper), adding in their own order and precision,
-    so the bits are not the widened dot's."""
+    then the tensor cores multiply fp8 by fp8 (Hopper), adding in their own order, so the bits
+    are not the widened dot's. Their fp8 sums keep fewer bits than fp32 (left to run over all of
+    K, an H100 put outputs of Ouro's o projection 0.03 from the exact sums); every 32 of K they
+    are added into the fp32 accumulator, as cuBLAS does unless told to be fast."""
     if UPCAST:
         a, w = a.to(tl.float32), w.to(tl.float32)
-    elif not FP8_DOT:
+    elif FP8_DOT:
+        return tl.dot(a, w, acc, max_num_imprecise_acc=32)
+    else:
         a, w = a.to(DTYPE), w.to(DTYPE)
     if IEEE:
         return tl.dot(a, w, acc, input_precision="ieee")
@@ -170,12 +174,16 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
 
 
 # fp8 weights where the GPU multiplies fp8 by fp8 (compute capability 8.9 and up; the CPU
-# interpreter widens to fp32 instead): fp8 rows by the fp8 weight on the tensor cores. Of
-# `benchmarks.fp8_matmul --made-rows`'s candidates (call L, H100, summed over Ouro-1.4B's four
-# projections) this tiling is the best or within 3 % of the best at 1, 2, 16, 32 and 128 rows:
-# 40.9-49.1 µs where cuBLAS's fp8 matmul took 52.3-53.1, cuBLAS bf16 52.8-57.8, and the widening
-# tilings below 90-318 on fp8 rows. One tiling at every row count, so a row's bits do not depend
-# on M (tests/kernels/test_fp8_matmul.py holds that on the GPU).
+# interpreter widens to fp32 instead): fp8 rows by the fp8 weight on the tensor cores, the fp8
+# sums added into fp32 every 32 of K (`_dot`). `benchmarks.fp8_matmul --made-rows` on an H100
+# (calls L and N, summed over Ouro-1.4B's four projections): at up to 16 rows the few-row tiling
+# takes 40.4-40.8 µs where cuBLAS's fp8 matmul takes 52.5-53.1, cuBLAS bf16 52.8-53.4 and the
+# widening tilings below ~90 on fp8 rows; at 128 rows the best fp8-dot tiling took 66.2 against
+# cuBLAS fp8's 52.6 (49.1 with the sums left in fp8 over all of K, which cost accuracy). The
+# larger tiling is what `batch_invariant` runs at every row count (so a row's bits do not depend
+# on M; tests/kernels/test_fp8_matmul.py holds that on the GPU) and what runs past 16 rows where
+# cuBLAS's fp8 matmul does not.
+FP8_DOT_FEW_TILING = Tiling(16, 32, 256, 4, 3, fp8_dot=True)  # up to 16 rows
 FP8_DOT_TILING = Tiling(64, 64, 256, 4, 3, fp8_dot=True)
 # Elsewhere (fp32 rows, the exactness runs, take fp32's tiling): both operands widened to the
 # rows' dtype in registers. One tiling at every row count where a row's bits must not follow its
@@ -197,11 +205,11 @@ def fp8_dots(device: torch.device) -> bool:
 
 
 def fp8_tiling(rows: int, invariant: bool, dots: bool) -> Tiling:
-    """An fp8 weight's tiling over `rows` 16-bit rows: `FP8_DOT_TILING` where fp8 `dots` run,
-    else `FP8_TILING` at every row count where a row's bits must not depend on M (`invariant`),
-    and by row count where they may."""
+    """An fp8 weight's tiling over `rows` 16-bit rows: where fp8 `dots` run, `FP8_DOT_TILING` at
+    every row count where a row's bits must not depend on M (`invariant`), else by row count;
+    without them, `FP8_TILING` at every row count where invariant, else by row count."""
     if dots:
-        return FP8_DOT_TILING
+        return FP8_DOT_TILING if invariant or rows > 16 else FP8_DOT_FEW_TILING
     if invariant or rows <= 16:
         return FP8_TILING
     return FP8_MID_TILING if rows <= 128 else FP8_MANY_TILING

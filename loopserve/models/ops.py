@@ -201,11 +201,11 @@ class TritonOps(TorchOps):
     SWIGLU_ROWS = 16
     # fp8 weights through the GEMV up to the first, through cuBLAS's fp8 matmul past the second:
     # on an H100, with rows made by add_norm, summed over Ouro-1.4B's four projections, the GEMV
-    # 32.1 / 38.5 µs at 1 / 2 rows against 40.9 / 41.4 for the fp8-dot matmul, which beats cuBLAS
-    # up to 128 rows (49.1 against 53.1) and not at 512 (103.5 against 76.2) (docs/quantization.md,
-    # "Where it runs").
+    # 32.1 / 38.5 µs at 1 / 2 rows against 40.8 / 40.4 for the fp8-dot matmul, which beats
+    # cuBLAS at 16 rows (40.5 against 52.5) and not at 128 (66.2 against 52.6; 32 to 64
+    # unmeasured with its sums kept in fp32) (docs/quantization.md, "Where it runs").
     GEMV_ROWS = 2
-    SCALED_MM_ROWS = 128
+    SCALED_MM_ROWS = 16
     # The attribute by which a tensor carries its rows quantized (float8, fp32 scales): set by
     # `add_norm` and `silu_mul` here, read by `_triton_linear`; a view or copy does not carry it.
     E4M3_ROWS = "loopserve_e4m3_rows"

@@ -11,6 +11,7 @@ import torch
 
 from loopserve.kernels.fused_ops import silu_mul
 from loopserve.kernels.matmul import (
+    FP8_DOT_FEW_TILING,
     FP8_DOT_TILING,
     FP8_MANY_TILING,
     FP8_MID_TILING,
@@ -149,12 +150,13 @@ def test_ouro_projections_on_the_gpu(device: torch.device) -> None:
 
 
 def test_fp8_tiling_follows_the_row_count_only_where_bits_may() -> None:
-    """Where fp8 dots run, one fp8-dot tiling at every row count; elsewhere `batch_invariant`
-    keeps `FP8_TILING` at every row count, and otherwise prompt chunks and large batches get
-    wider tiles (the rows' values are checked under every candidate above)."""
+    """`batch_invariant` keeps one tiling at every row count (`FP8_DOT_TILING` where fp8 dots
+    run, `FP8_TILING` where not); otherwise more rows get wider tiles (the rows' values are
+    checked under every candidate above)."""
     counts = (1, 16, 17, 128, 129, 2048)
-    for invariant in (True, False):
-        assert {fp8_tiling(rows, invariant, dots=True) for rows in counts} == {FP8_DOT_TILING}
+    assert {fp8_tiling(rows, invariant=True, dots=True) for rows in counts} == {FP8_DOT_TILING}
+    assert fp8_tiling(16, invariant=False, dots=True) == FP8_DOT_FEW_TILING
+    assert fp8_tiling(17, invariant=False, dots=True) == FP8_DOT_TILING
     assert {fp8_tiling(rows, invariant=True, dots=False) for rows in counts} == {FP8_TILING}
     assert fp8_tiling(16, invariant=False, dots=False) == FP8_TILING
     assert fp8_tiling(17, invariant=False, dots=False) == FP8_MID_TILING
@@ -166,7 +168,9 @@ def test_fp8_tiling_follows_the_row_count_only_where_bits_may() -> None:
 def test_fp8_dot_rows_have_their_alone_bits_at_ouro_shapes(device: torch.device) -> None:
     """`FP8_DOT_TILING` (what `batch_invariant` runs on Hopper): every sampled row of Ouro-1.4B's
     projections keeps its alone bits up to a 512-token chunk, and the values are the exact scaled
-    sums to bf16 rounding."""
+    sums to about a bf16 unit (with the fp8 MMA's sums left in fp8 over all of K an H100 put 21 of
+    the o projection's 1 M outputs up to 0.0315 away, where this allows 0.02: `_dot` in
+    kernels/matmul.py)."""
     for columns, depth in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
         x, weight, scale = _fp8_operands(512, depth, columns, torch.bfloat16, device)
         alone = {
@@ -177,4 +181,4 @@ def test_fp8_dot_rows_have_their_alone_bits_at_ouro_shapes(device: torch.device)
             for row, bits in alone.items():
                 if row < rows:
                     assert torch.equal(out[row], bits), (columns, depth, rows, row)
-        torch.testing.assert_close(out.double(), _exact(x, weight, scale), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out.double(), _exact(x, weight, scale), rtol=1e-2, atol=2e-2)
