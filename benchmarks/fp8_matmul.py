@@ -35,8 +35,7 @@ from loopserve.bench.calibration import measure_ceilings
 from loopserve.kernels import fused_ops
 from loopserve.kernels.e4m3 import quantize_rows
 from loopserve.kernels.gemv import GemvTiling, fp8_gemv, gemv_tiling
-from loopserve.kernels.matmul import Tiling, linear, tiling_for
-from loopserve.kv.storage import FP8
+from loopserve.kernels.matmul import Tiling, fp8_dots, fp8_tiling, linear
 from loopserve.models.quant import quantize_weight, scaled_mm
 
 HIDDEN, INTER = 2048, 5632  # Ouro-1.4B (16 heads of 128: q, k and v are 2,048 wide each)
@@ -168,7 +167,7 @@ def measure(
     base = {"shape": shape, "rows": rows, "N": columns, "K": depth, "bf16_cublas_us": cublas_us}
     base["made_rows"] = made
     base["bf16_of_copy"] = bf16_bytes / (cublas_us * 1e-6) / ceiling_bytes_per_s
-    default = tiling_for(rows, out_columns, FP8, swiglu)
+    default = fp8_tiling(rows, invariant=False, dots=fp8_dots(x.device))
     tried: list[tuple[Tiling | GemvTiling | None, bool]] = [(default, True), (None, False)]
     tried += [(t, False) for t in candidates(rows) if t != default]
     if gemv and rows <= GEMV_MAX_ROWS:
@@ -194,6 +193,8 @@ def measure(
         }
         records.append(record)
         timed.append(record)
+    if not timed:
+        return records
     best = min(timed, key=lambda record: float(record["fp8_us"]))  # type: ignore[arg-type]
     return [*records, best | {"best": True}]
 

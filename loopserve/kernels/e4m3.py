@@ -52,9 +52,9 @@ def row_scales(amax):
 
 @triton.jit
 def store_quantized(x, mask, out_ptrs, scale_ptr):
-    """Quantize one fp32 row `x` [BLOCK] (0 outside `mask`) with its own scale: its e4m3 values
-    to `out_ptrs` (float8) and its scale to `scale_ptr`."""
-    scale, inverse = row_scales(tl.max(tl.abs(x), axis=0))
+    """Quantize one fp32 row `x` [BLOCK] (its values where `mask`) with its own scale: its e4m3
+    values to `out_ptrs` (float8) and its scale to `scale_ptr`."""
+    scale, inverse = row_scales(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0))
     tl.store(out_ptrs, e4m3_value(x, inverse).to(out_ptrs.dtype.element_ty), mask)  # exact
     tl.store(scale_ptr, scale)
 
@@ -69,8 +69,13 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BL
 
 
 # Widest row `quantize_rows` (or a kernel that quantizes its output rows) loads in one block
-# (Ouro's down projection reads 5,632).
-MAX_ROW = 16384
+# (Ouro's down projection reads 5,632, Huginn's 17,920).
+MAX_ROW = 32768
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program that holds a whole row of `block` values (at most 64 a thread)."""
+    return 4 if block < 4096 else 8 if block < 16384 else 16
 
 
 def empty_rows(rows: int, depth: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +104,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(depth)
         _quantize_rows_kernel[(rows,)](
             x, out, scale, depth, x.stride(0), out.stride(0), BLOCK=block,
-            num_warps=8 if block >= 4096 else 4,
+            num_warps=row_warps(block),
         )  # fmt: skip
     return out, scale
 

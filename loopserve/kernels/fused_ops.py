@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.kernels.e4m3 import empty_rows, store_quantized
+from loopserve.kernels.e4m3 import empty_rows, row_warps, store_quantized
+
+Rows = tuple[torch.Tensor, torch.Tensor]  # quantized rows: float8 [T, size] and fp32 scales [T]
 
 
 @triton.jit
@@ -62,8 +64,10 @@ def silu_times(gate, up, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, weight_ptr, out_ptr, stride_x, stride_out, size, eps, BLOCK: tl.constexpr
-):
+    x_ptr, weight_ptr, out_ptr, e4m3_ptr, e4m3_scale_ptr, stride_x, stride_out, size, eps,
+    QUANTIZE: tl.constexpr,  # also the output rows quantized (float8 + scales)
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -71,6 +75,9 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = _normalise(x, weight, mask, size, eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if QUANTIZE:
+        store_quantized(out.to(tl.float32), mask, e4m3_ptr + row * size + cols,
+                        e4m3_scale_ptr + row)  # fmt: skip
 
 
 @triton.jit
@@ -187,23 +194,26 @@ def _silu_mul_kernel(
     activated = silu_times(gate, up, dtype)
     tl.store(out_ptr + row * size + cols, activated, mask=mask)
     if QUANTIZE:
-        store_quantized(tl.where(mask, activated.to(tl.float32), 0.0), mask,
-                        e4m3_ptr + row * size + cols, e4m3_scale_ptr + row)  # fmt: skip
+        store_quantized(activated.to(tl.float32), mask, e4m3_ptr + row * size + cols,
+                        e4m3_scale_ptr + row)  # fmt: skip
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] (last dim contiguous) -> [T, H]."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+) -> tuple[torch.Tensor, Rows | None]:
+    """x [T, H] (last dim contiguous) -> ([T, H], with `quantize` its rows quantized as
+    `kernels.e4m3.quantize_rows` would)."""
     rows, size = x.shape
     out = torch.empty((rows, size), dtype=x.dtype, device=x.device)
+    quantized = empty_rows(rows, size, x.device) if quantize else None
+    e4m3, e4m3_scale = quantized or (out, out)
     if rows:
         block = triton.next_power_of_2(size)
         _rms_norm_kernel[(rows,)](
-            x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block
-        )
-    return out
-
-
-Rows = tuple[torch.Tensor, torch.Tensor]  # quantized rows: float8 [T, size] and fp32 scales [T]
+            x, weight, out, e4m3, e4m3_scale, x.stride(0), out.stride(0), size, eps,
+            QUANTIZE=quantize, BLOCK=block,
+        )  # fmt: skip
+    return out, quantized
 
 
 def add_norm(
@@ -286,6 +296,6 @@ def silu_mul_rows(
         grid = (rows, triton.cdiv(size, block))
         _silu_mul_kernel[grid](
             gate, up, out, e4m3, e4m3_scale, gate.stride(0), up.stride(0), size,
-            QUANTIZE=quantize, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+            QUANTIZE=quantize, BLOCK=block, num_warps=row_warps(block),
         )  # fmt: skip
     return out, quantized

@@ -1,11 +1,11 @@
 """FP8-weight GEMV: a few rows of x times an e4m3 W, read at memory speed (decode at low
 concurrency, where a step is the weights' bytes).
 
-Owns: `fp8_gemv` (the `models.quant` rule — x quantized per row, fp32 sums of its e4m3 values
-times W's, times the row's scale and W's, rounded to x's dtype — optionally SiLU·up of a fused
-gate/up projection's halves and a row mask, like `kernels.matmul.linear`) and its tiling per
-weight shape (`gemv_tiling`). Must not: use the tensor cores, or let a row's sum depend on the
-other rows or on M.
+Owns: `fp8_gemv` (the `models.quant` rule — x quantized per row, fp32 sums of its e4m3 values times
+W's, times the row's scale and W's, rounded to x's dtype (the dtype fp8 rows came from) —
+optionally SiLU·up of a fused gate/up projection's halves and a row mask, like
+`kernels.matmul.linear`) and its tiling per weight shape (`gemv_tiling`). Must not: use the tensor
+cores, or let a row's sum depend on the other rows or on M.
 
 How. One program per (row, block of BLOCK_N columns); rows vary fastest in the grid, so the
 programs that read one weight block run together and the weight comes from DRAM once (the others
@@ -22,9 +22,11 @@ cores add 16-wide slices in their own order), so the
 engine runs this kernel only where it does not promise batch invariance
 (`models.ops.TritonOps.GEMV_ROWS`; docs/quantization.md, "Where it runs").
 
-Why not `kernels.matmul.linear` at one row: its smallest tile is 16 rows of MMA with the weight
-widened to bf16 on its way to the tensor cores; on the H200 it moved Ouro-1.4B's fp8 projections
-at 14-34 % of the copy bandwidth, no faster than cuBLAS on twice the bytes (docs/quantization.md).
+Why not `kernels.matmul.linear` at one or two rows: its smallest tile is 16 rows of MMA. With
+fp8 dots (fp8 by fp8 on the tensor cores) it took 40.8 and 40.4 µs over Ouro-1.4B's four
+projections at one and two rows on an H100, against this kernel's 32.1 and 38.5 (rows that come
+quantized); with the weight widened to bf16 it was no faster than cuBLAS on twice the bytes
+(docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def _gemv_kernel(
     else:
         if QUANTIZED:  # the row's e4m3 values and scale come made (no amax pass)
             x_scale = tl.load(x_scale_ptr + row)
-            inverse = x_scale  # unused
+            inverse = 1.0  # `_slice` quantizes nothing
         else:
             # The row's activation scale: its largest |x| (a max: the pass's order is free).
             largest = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -210,7 +212,11 @@ def fp8_gemv(
     if scale.shape != (weight.shape[0],) or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemv needs an fp32 [{weight.shape[0]}] scale")
     quantized = x.dtype == FP8
-    if quantized != (x_scale is not None) or (quantized and dtype is None):
+    if (
+        quantized != (x_scale is not None)
+        or (quantized and dtype is None)
+        or (not quantized and dtype not in (None, x.dtype))
+    ):
         raise ValueError("fp8_gemv takes fp8 rows with their x_scale and dtype, or 16/32-bit x")
     if x_scale is not None and (x_scale.shape != (rows,) or x_scale.dtype != torch.float32):
         raise ValueError(f"fp8_gemv's x_scale must be fp32 [{rows}]")

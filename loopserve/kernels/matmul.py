@@ -10,7 +10,9 @@ reduce a row in an order that depends on M. In `linear` each output is one progr
 accumulator over K in order, chunk after chunk, each chunk a `tl.dot` (the tensor cores add
 16-wide k slices in order), so the tiling (block rows, columns, depth) may change with M while a
 row's bits do not; measured so on the H200. tests/kernels/test_matmul.py holds rows of every
-tiling to the same row alone, bit for bit (GPU), and the values to torch's (CPU and GPU).
+tiling to the same row alone, bit for bit (GPU), and the values to torch's (CPU and GPU). With an
+fp8 W a row's bits do change with the tiling (fp8 dots most of all), so an fp8 W gets one tiling
+at every M unless the caller picks one (`fp8_tiling`).
 
 Why: cuBLAS picks its kernel, and for some shapes its split of K, by M. At Ouro-1.4B's down
 projection (K = 5,632) on the H200 rows of 96 or more get other bits than rows of up to 64, so a
@@ -56,7 +58,8 @@ def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr, FP8_DOT: tl.conste
          DTYPE: tl.constexpr):  # fmt: skip
     """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32). fp8
     operands are widened to DTYPE first, which holds every e4m3 value exactly, unless FP8_DOT:
-    then the tensor cores multiply fp8 by fp8 (Hopper), adding in their own order, so the bits
+    then the tensor cores multiply fp8 by fp8 (compute capability 8.9+), adding in their own
+    order, so the bits
     are not the widened dot's. Their fp8 sums keep fewer bits than fp32 (left to run over all of
     K, an H100 put outputs of Ouro's o projection 0.03 from the exact sums); every 32 of K they
     are added into the fp32 accumulator, as cuBLAS does unless told to be fast."""
@@ -160,8 +163,6 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
     the matmuls")."""
     if dtype == torch.float32:  # the engine's exactness runs; fp32 dots have no fast path
         return Tiling(16 if rows <= 16 else 32, 32, 32, 4, 2)
-    if dtype == FP8:
-        return FP8_TILING
     if columns >= WIDE:
         if rows <= 16:
             return Tiling(16, 32, 256, 4, 3)
@@ -174,15 +175,15 @@ def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False
 
 
 # fp8 weights where the GPU multiplies fp8 by fp8 (compute capability 8.9 and up; the CPU
-# interpreter widens to fp32 instead): fp8 rows by the fp8 weight on the tensor cores, the fp8
-# sums added into fp32 every 32 of K (`_dot`). `benchmarks.fp8_matmul --made-rows` on an H100
-# (calls L and N, summed over Ouro-1.4B's four projections): at up to 16 rows the few-row tiling
-# takes 40.4-40.8 µs where cuBLAS's fp8 matmul takes 52.5-53.1, cuBLAS bf16 52.8-53.4 and the
-# widening tilings below ~90 on fp8 rows; at 128 rows the best fp8-dot tiling took 66.2 against
-# cuBLAS fp8's 52.6 (49.1 with the sums left in fp8 over all of K, which cost accuracy). The
-# larger tiling is what `batch_invariant` runs at every row count (so a row's bits do not depend
-# on M; tests/kernels/test_fp8_matmul.py holds that on the GPU) and what runs past 16 rows where
-# cuBLAS's fp8 matmul does not.
+# interpreter widens to fp32 instead): fp8 rows by the fp8 weight on the tensor cores, the fp8 sums
+# added into fp32 every 32 of K (`_dot`). `benchmarks.fp8_matmul --made-rows` on an H100 (calls L
+# and N, summed over Ouro-1.4B's four projections): at 16 rows the few-row tiling took 40.5 µs
+# where cuBLAS's fp8 matmul took 52.5, cuBLAS bf16 53.4 and the widening tilings below ~90 on fp8
+# rows (at 1 and 2 rows 40.8 and 40.4 with the sums left in fp8); at 128 rows the best fp8-dot
+# tiling took 66.2 against cuBLAS fp8's 52.6 (49.1 with the sums left in fp8 over all of K, which
+# cost accuracy). The larger tiling is what `batch_invariant` runs at every row count (so a row's
+# bits do not depend on M; tests/kernels/test_fp8_matmul.py holds that on the GPU) and what runs
+# past 16 rows where cuBLAS's fp8 matmul does not.
 FP8_DOT_FEW_TILING = Tiling(16, 32, 256, 4, 3, fp8_dot=True)  # up to 16 rows
 FP8_DOT_TILING = Tiling(64, 64, 256, 4, 3, fp8_dot=True)
 # Elsewhere (fp32 rows, the exactness runs, take fp32's tiling): both operands widened to the
@@ -267,9 +268,11 @@ def linear(
     out = torch.empty((rows, columns), dtype=out_dtype or dtype, device=x.device)
     if rows == 0:
         return out
-    # fp32 rows (exactness runs) take fp32's tiling whatever W's dtype.
-    tile_dtype = torch.float32 if dtype == torch.float32 else weight.dtype
-    tile = tiling or tiling_for(rows, columns, tile_dtype, swiglu)
+    # fp32 rows (exactness runs) take fp32's tiling whatever W's dtype; an fp8 W one tiling at
+    # every row count.
+    if tiling is None and fp8 and dtype != torch.float32:
+        tiling = fp8_tiling(rows, invariant=True, dots=fp8_dots(x.device))
+    tile = tiling or tiling_for(rows, columns, dtype, swiglu)
     if tile.fp8_dot and (not fp8 or dtype == torch.float32):
         raise ValueError("an fp8_dot tiling multiplies fp8 rows by an fp8 W in 16-bit dtypes")
     grid = (triton.cdiv(columns, tile.block_n), triton.cdiv(rows, tile.block_m))

@@ -186,12 +186,15 @@ class TritonOps(TorchOps):
     orders, so a request's bits depend on which side of those row counts its steps fall (as
     bf16's do past 64 rows under cuBLAS). `batch_invariant` keeps `linear` under one tiling at
     every row count, and so do fp32 rows (the exactness runs), under fp32's.
-    With `quantize_inputs` (a model with fp8 weights) the kernels that make the qkv and gate/up
-    projections' input (`add_norm`) and, past `SCALED_MM_ROWS`, the down projection's (SiLU·up)
-    also write it quantized (`kernels.e4m3.store_quantized`) and tag the tensor they return with
-    those rows (`E4M3_ROWS`), so the projection that reads it needs neither a `quantize_rows`
-    launch nor the GEMV's pass for the row's scale. The rows are those `quantize_rows` would make,
-    bit for bit, so the tag changes no result (tests/kernels/test_fused_ops.py).
+    With `quantize_inputs` (a model with fp8 weights) the norms (`rms_norm`, `add_norm`: what
+    the qkv and gate/up projections read) and, past `SCALED_MM_ROWS`, SiLU·up after cuBLAS (what
+    the down projection reads) also write their output quantized (`kernels.e4m3.store_quantized`)
+    and tag the tensor they return with those rows (`E4M3_ROWS`), so the projection that reads it
+    needs neither a `quantize_rows` launch nor the GEMV's pass for the row's scale. The rows are
+    those `quantize_rows` would make, bit for bit, so the tag changes no result
+    (tests/kernels/test_fused_ops.py). A norm whose output no projection reads (the loop's last,
+    Huginn's after each residual add) writes them unread: an fp8 copy of the row, a small part of
+    a kernel that reads two rows and writes two.
     """
 
     rotary_is_fused_ops = True
@@ -201,13 +204,17 @@ class TritonOps(TorchOps):
     SWIGLU_ROWS = 16
     # fp8 weights through the GEMV up to the first, through cuBLAS's fp8 matmul past the second:
     # on an H100, with rows made by add_norm, summed over Ouro-1.4B's four projections, the GEMV
-    # 32.1 / 38.5 µs at 1 / 2 rows against 40.8 / 40.4 for the fp8-dot matmul, which beats
-    # cuBLAS at 16 rows (40.5 against 52.5) and not at 128 (66.2 against 52.6; 32 to 64
-    # unmeasured with its sums kept in fp32) (docs/quantization.md, "Where it runs").
+    # 32.1 / 38.5 µs at 1 / 2 rows against 40.8 / 40.4 for the fp8-dot matmul (its sums left
+    # in fp8 then; at 16 rows that made no difference), which beats cuBLAS at 16 rows (40.5
+    # against 52.5) and not at 128 (66.2 against 52.6; 32 to 64 unmeasured with its sums kept
+    # in fp32) (docs/quantization.md, "Where it runs").
     GEMV_ROWS = 2
     SCALED_MM_ROWS = 16
-    # The attribute by which a tensor carries its rows quantized (float8, fp32 scales): set by
-    # `add_norm` and `silu_mul` here, read by `_triton_linear`; a view or copy does not carry it.
+    # The attribute by which a tensor carries its rows quantized (float8, fp32 scales): set on
+    # what `rms_norm`, `add_norm` and SiLU·up after cuBLAS (`_triton_linear`) return, read by
+    # `_triton_linear`; a view or copy does not carry it. The rule that keeps it true: no op
+    # writes into a tensor it did not make (q and k are rotated in place, but they are a
+    # projection's output, never tagged).
     E4M3_ROWS = "loopserve_e4m3_rows"
 
     def __init__(self, batch_invariant: bool = False, quantize_inputs: bool = False) -> None:
@@ -222,7 +229,9 @@ class TritonOps(TorchOps):
             setattr(x, self.E4M3_ROWS, rows)
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        return self._kernels.rms_norm(x, norm.weight, norm.eps)
+        out, rows = self._kernels.rms_norm(x, norm.weight, norm.eps, self.quantize_inputs)
+        self._tag(out, rows)
+        return out
 
     def add_norm(
         self,

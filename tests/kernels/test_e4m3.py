@@ -39,6 +39,15 @@ def test_rows_are_quantized_as_torch_quantizes_them(
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # -0 stays -0
 
 
+def test_rows_as_wide_as_huginns_mlp(device: torch.device) -> None:
+    """Huginn-0125's down projection reads rows of 17,920 values: one block holds them."""
+    x = torch.randn(2, 17920, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    got, scale = quantize_rows(x)
+    expected, expected_scale = quantize_activations(x)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
+
+
 def test_strided_rows_and_the_limits(device: torch.device) -> None:
     x = _rows(torch.bfloat16, device)
     wide = torch.cat([x, x], dim=1)[:, 300:]  # rows 600 apart

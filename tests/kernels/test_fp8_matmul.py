@@ -20,9 +20,7 @@ from loopserve.kernels.matmul import (
     fp8_dots,
     fp8_tiling,
     linear,
-    tiling_for,
 )
-from loopserve.kv.storage import FP8
 from loopserve.models.quant import fp8_linear, quantize_activations, quantize_weight
 from tests.kernels.conftest import ON_GPU
 from tests.kernels.test_matmul import ROW_COUNTS, TILINGS, _data
@@ -133,15 +131,16 @@ def test_rows_have_their_alone_bits_at_every_row_count_and_tiling(device: torch.
 
 @pytest.mark.gpu
 def test_ouro_projections_on_the_gpu(device: torch.device) -> None:
-    """Ouro-1.4B's qkv, o, gate/up and down projections at fp8, up to a 512-token chunk, under the
-    one fp8 tiling: every sampled row has its alone bits, and the values are the exact scaled sums
-    to bf16 rounding."""
+    """Ouro-1.4B's qkv, o, gate/up and down projections at fp8, up to a 512-token chunk, under
+    `FP8_TILING` (the operands widened, where fp8 dots do not run): every sampled row has its
+    alone bits, and the values are the exact scaled sums to bf16 rounding."""
     for columns, depth in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
         x, weight, scale = _fp8_operands(512, depth, columns, torch.bfloat16, device)
-        assert weight.dtype == FP8 and tiling_for(1, columns, FP8) == FP8_TILING
-        alone = {row: _linear(x[row : row + 1], weight, scale)[0] for row in (0, 17, 511)}
+        alone = {
+            row: _linear(x[row : row + 1], weight, scale, FP8_TILING)[0] for row in (0, 17, 511)
+        }
         for rows in (1, 2, 8, 16, 17, 64, 128, 129, 512):
-            out = _linear(x[:rows], weight, scale)
+            out = _linear(x[:rows], weight, scale, FP8_TILING)
             for row, bits in alone.items():
                 if row < rows:
                     assert torch.equal(out[row], bits), (columns, depth, rows, row)
@@ -165,19 +164,23 @@ def test_fp8_tiling_follows_the_row_count_only_where_bits_may() -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_dot_rows_have_their_alone_bits_at_ouro_shapes(device: torch.device) -> None:
-    """`FP8_DOT_TILING` (what `batch_invariant` runs on Hopper): every sampled row of Ouro-1.4B's
-    projections keeps its alone bits up to a 512-token chunk, and the values are the exact scaled
-    sums to about a bf16 unit (with the fp8 MMA's sums left in fp8 over all of K an H100 put 21 of
-    the o projection's 1 M outputs up to 0.0315 away, where this allows 0.02: `_dot` in
+@pytest.mark.parametrize("tiling", [FP8_DOT_TILING, FP8_DOT_FEW_TILING], ids=["64", "16"])
+def test_fp8_dot_rows_have_their_alone_bits_at_ouro_shapes(
+    device: torch.device, tiling: Tiling
+) -> None:
+    """The fp8-dot tilings (`FP8_DOT_TILING`: what `batch_invariant` runs at every row count;
+    the few-row one: 3 to 16 rows otherwise): every sampled row of Ouro-1.4B's projections keeps
+    its alone bits up to a 512-token chunk, and the values are the exact scaled sums to about a
+    bf16 unit (with the fp8 MMA's sums left in fp8 over all of K an H100 put 21 of the o
+    projection's 1 M outputs up to 0.0315 away, where this allows 0.02: `_dot` in
     kernels/matmul.py)."""
+    if not fp8_dots(device):
+        pytest.skip("this GPU has no fp8 dots (compute capability below 8.9)")
     for columns, depth in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)):
         x, weight, scale = _fp8_operands(512, depth, columns, torch.bfloat16, device)
-        alone = {
-            row: _linear(x[row : row + 1], weight, scale, FP8_DOT_TILING)[0] for row in (0, 17, 511)
-        }
+        alone = {row: _linear(x[row : row + 1], weight, scale, tiling)[0] for row in (0, 17, 511)}
         for rows in (1, 2, 3, 16, 17, 64, 65, 128, 129, 512):
-            out = _linear(x[:rows], weight, scale, FP8_DOT_TILING)
+            out = _linear(x[:rows], weight, scale, tiling)
             for row, bits in alone.items():
                 if row < rows:
                     assert torch.equal(out[row], bits), (columns, depth, rows, row)

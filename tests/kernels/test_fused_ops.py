@@ -232,13 +232,18 @@ def test_rows_the_ops_quantize_on_the_way_out_change_no_bits(
     for rows in (1, plain.GEMV_ROWS + 1, plain.SCALED_MM_ROWS + 1):
         update = torch.randn(rows, 96).to(device=device, dtype=bf16)
         residual = torch.randn(rows, 96).to(device=device, dtype=bf16)
-        normed = plain.add_norm(update, residual, first, second)[1]
-        tagged = tagging.add_norm(update, residual, first, second)[1]
-        assert torch.equal(tagged, normed) and not hasattr(normed, TritonOps.E4M3_ROWS)
-        x8, x_scale = getattr(tagged, TritonOps.E4M3_ROWS)
-        expected8, expected_scale = quantize_activations(normed)
-        assert torch.equal(x8.view(torch.uint8), expected8.view(torch.uint8))
-        assert torch.equal(x_scale, expected_scale)
+        for normed, tagged in (  # rms_norm's, then add_norm's (what the projections read below)
+            (plain.rms_norm(update, first), tagging.rms_norm(update, first)),
+            (
+                plain.add_norm(update, residual, first, second)[1],
+                tagging.add_norm(update, residual, first, second)[1],
+            ),
+        ):
+            assert torch.equal(tagged, normed) and not hasattr(normed, TritonOps.E4M3_ROWS)
+            x8, x_scale = getattr(tagged, TritonOps.E4M3_ROWS)
+            expected8, expected_scale = quantize_activations(normed)
+            assert torch.equal(x8.view(torch.uint8), expected8.view(torch.uint8))
+            assert torch.equal(x_scale, expected_scale)
         launches.clear()
         activated = tagging.swiglu(tagged, gate_up)
         out = tagging.down_proj(activated, down)

@@ -112,6 +112,8 @@ def test_refuses_what_it_cannot_compute(device: torch.device) -> None:
         fp8_gemv(x8, weight, scale, x_scale=x_scale)
     with pytest.raises(ValueError, match="fp8 rows with their x_scale and dtype"):
         fp8_gemv(x, weight, scale, x_scale=x_scale, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp8 rows with their x_scale and dtype"):
+        fp8_gemv(x, weight, scale, dtype=torch.float16)  # 16/32-bit x rounds to its own dtype
     with pytest.raises(ValueError, match=r"x_scale must be fp32 \[2\]"):
         fp8_gemv(x8, weight, scale, x_scale=x_scale[:1], dtype=torch.bfloat16)
 
