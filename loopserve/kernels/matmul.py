@@ -55,18 +55,18 @@ from loopserve.kv.storage import FP8
 
 @triton.jit
 def _dot(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr, FP8_DOT: tl.constexpr,
-         DTYPE: tl.constexpr):  # fmt: skip
+         FP8_SUMS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
     """acc + a w: one chunk of the K loop (fp32 operands under the interpreter; no tf32). fp8
     operands are widened to DTYPE first, which holds every e4m3 value exactly, unless FP8_DOT:
     then the tensor cores multiply fp8 by fp8 (compute capability 8.9+), adding in their own
     order, so the bits
     are not the widened dot's. Their fp8 sums keep fewer bits than fp32 (left to run over all of
-    K, an H100 put outputs of Ouro's o projection 0.03 from the exact sums); every 32 of K they
-    are added into the fp32 accumulator, as cuBLAS does unless told to be fast."""
+    K, an H100 put outputs of Ouro's o projection 0.03 from the exact sums); every FP8_SUMS of K
+    they are added into the fp32 accumulator, as cuBLAS does unless told to be fast."""
     if UPCAST:
         a, w = a.to(tl.float32), w.to(tl.float32)
     elif FP8_DOT:
-        return tl.dot(a, w, acc, max_num_imprecise_acc=32)
+        return tl.dot(a, w, acc, max_num_imprecise_acc=FP8_SUMS)
     else:
         a, w = a.to(DTYPE), w.to(DTYPE)
     if IEEE:
@@ -85,6 +85,7 @@ def _matmul_kernel(
     SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
     SCALED: tl.constexpr,  # an fp8 W: a_scale_ptr / scale_ptr, a's and W's fp32 scales per row
     FP8_DOT: tl.constexpr,  # fp8 a and W multiplied as fp8 (see `_dot`)
+    FP8_SUMS: tl.constexpr,  # FP8_DOT: K between the fp8 sums' promotions to fp32
     DTYPE: tl.constexpr,  # what the sums round to: a's dtype, or the dtype fp8 rows came from
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -115,10 +116,10 @@ def _matmul_kernel(
         a = tl.load(a_ptr + a_rows * stride_a + depth[None, :], mask=a_mask, other=0.0)
         w_mask = in_depth[:, None] & in_cols[None, :]
         w = tl.load(w_ptr + w_cols + depth[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = _dot(a, w, acc, IEEE, UPCAST, FP8_DOT, DTYPE)
+        acc = _dot(a, w, acc, IEEE, UPCAST, FP8_DOT, FP8_SUMS, DTYPE)
         if SWIGLU:
             w_up = tl.load(w_ptr + up_offset + w_cols + depth[:, None], mask=w_mask, other=0.0)
-            acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST, FP8_DOT, DTYPE)
+            acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST, FP8_DOT, FP8_SUMS, DTYPE)
     # Rounded to DTYPE first, so an fp32 output holds what `F.linear(...).float()` would;
     # SiLU·up then rounds as `fused_ops.silu_mul` does on those rounded halves. With an fp8 W the
     # scales multiply the fp32 sums before that rounding, a's then W's (`models.quant`).
@@ -148,6 +149,7 @@ class Tiling:
     num_warps: int
     num_stages: int
     fp8_dot: bool = False  # fp8 rows times an fp8 W on the tensor cores as fp8 (`_dot`)
+    fp8_sums: int = 32  # with fp8_dot: K between the fp8 sums' promotions to fp32 (`_dot`)
 
 
 def tiling_for(rows: int, columns: int, dtype: torch.dtype, swiglu: bool = False) -> Tiling:
@@ -284,7 +286,8 @@ def linear(
         # triton 3.9's interpreter multiplies 16-bit dot operands as integer bit patterns; fp32
         # operands are exact for bf16 / fp16 / fp8 values.
         UPCAST=x.device.type == "cpu", EVEN_K=depth % tile.block_k == 0, MASKED=masked,
-        SWIGLU=swiglu, SCALED=fp8, FP8_DOT=tile.fp8_dot, DTYPE=triton_dtype(dtype),
+        SWIGLU=swiglu, SCALED=fp8, FP8_DOT=tile.fp8_dot, FP8_SUMS=tile.fp8_sums,
+        DTYPE=triton_dtype(dtype),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
