@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # FP8 on one H200, in one call (issue 30; docs/quantization.md). PARTS picks, in this order:
-#   matmul    python -m benchmarks.fp8_matmul --gemv: Ouro-1.4B's projections, fp8 Triton (GEMV and
-#             matmul, every candidate tiling) vs bf16 cuBLAS ($OUT/fp8_matmul.jsonl)
+#   matmul    python -m benchmarks.fp8_matmul --gemv --made-rows: Ouro-1.4B's projections on rows
+#             that come quantized (as the norms hand them on), fp8 Triton (GEMV, fp8-dot and
+#             widening matmuls, every candidate tiling) and cuBLAS fp8 vs bf16 cuBLAS
+#             ($OUT/fp8_matmul.jsonl)
+#   fp8tests  the fp8 weight paths' GPU tests only (kernels, test_quant, test_quantized_gpu,
+#             test_invariance_full_size): ~3 minutes
 #   tests     the GPU tests of the fp8 paths: tests/kernels (fp8 KV kernels and fp8 matmuls),
 #             tests/gpu/test_quantized_gpu.py, and the structured-output GPU tests
 #             (llguidance from a carried wheel: .carry/wheels/llguidance-*.whl)
@@ -10,12 +14,12 @@
 #   kv        A B B A, bf16 vs fp8 KV, 8192/256 fixed depth, C = 8
 #   capacity  1024/512 at C = 48 with reserved KV on a small pool, bf16 vs fp8 KV: how many run
 # Run from the repository root:  OUT=$OUT PARTS="matmul tests" bash scripts/gpu_fp8.sh
-# Budget: matmul ~2 min, tests ~3, weights ~2.5, both ~1.5, kv ~3, capacity ~1.5.
+# Budget: matmul ~2 min, fp8tests ~3, tests ~5, weights ~2.5, both ~1.5, kv ~3, capacity ~1.5.
 set -uo pipefail
 
 OUT="${OUT:-$PWD/fp8-out}"
 PYTHON="${PYTHON:-python3}"
-PARTS="${PARTS:-matmul tests weights both kv capacity}"
+PARTS="${PARTS:-matmul fp8tests weights both kv capacity}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
@@ -33,10 +37,18 @@ ab() {  # name bench-args b-args
 
 say "git ${LOOPSERVE_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 if part matmul; then
-  timeout 300 "$PYTHON" -m benchmarks.fp8_matmul --gemv --out "$OUT/fp8_matmul.jsonl" \
-    >"$OUT/fp8_matmul.log" 2>&1
+  timeout 300 "$PYTHON" -m benchmarks.fp8_matmul --gemv --made-rows --rows 1,2,3,16,32,64,128,512 \
+    --out "$OUT/fp8_matmul.jsonl" >"$OUT/fp8_matmul.log" 2>&1
   say "matmul rc=$?"
   grep '"best"' "$OUT/fp8_matmul.jsonl" | tee -a "$LOG"
+fi
+if part fp8tests; then
+  timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+    tests/kernels/test_e4m3.py tests/kernels/test_fp8_matmul.py tests/kernels/test_gemv.py \
+    tests/kernels/test_fused_ops.py tests/unit/test_quant.py tests/gpu/test_quantized_gpu.py \
+    tests/gpu/test_invariance_full_size.py >"$OUT/fp8tests.log" 2>&1
+  say "fp8 tests rc=$? ($(tail -1 "$OUT/fp8tests.log"))"
+  grep -E "^(FAILED|ERROR)" "$OUT/fp8tests.log" | head -20 | tee -a "$LOG"
 fi
 if part tests; then
   wheel=$(ls .carry/wheels/llguidance-*.whl 2>/dev/null | head -1)
