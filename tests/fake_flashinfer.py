@@ -59,6 +59,11 @@ def _attend(
         return torch.einsum("hqk,khd->qhd", weights, values)
 
 
+def _scaled(scale: float, k_scale: float | None, v_scale: float | None) -> tuple[float, float]:
+    """FlashInfer's fp8 reads: the scores' scale times `k_scale`, the output times `v_scale`."""
+    return scale * (1.0 if k_scale is None else k_scale), 1.0 if v_scale is None else v_scale
+
+
 def _paged_context(cache: torch.Tensor, pages: list[int], length: int) -> torch.Tensor:
     with torch._C.DisableTorchFunctionSubclass():
         return cache[torch.tensor(pages, dtype=torch.long)].flatten(0, 1)[:length]
@@ -132,14 +137,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._page_size = page_size
 
     def run(
-        self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], out: Any = None
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        out: Any = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> torch.Tensor:
         assert self._paged_kv_indptr_buf is not None and self._paged_kv_indices_buf is not None
         assert self._paged_kv_last_page_len_buf is not None
         key_cache, value_cache = paged_kv_cache
         indptr, indices = _host(self._paged_kv_indptr_buf), _host(self._paged_kv_indices_buf)
         last = _host(self._paged_kv_last_page_len_buf)
-        self.calls.log.append(("decode_run", {"rows": q.shape[0]}))
+        self.calls.log.append(
+            ("decode_run", {"rows": q.shape[0], "k_scale": k_scale, "v_scale": v_scale})
+        )
+        sm_scale, out_scale = _scaled(self._sm_scale, k_scale, v_scale)
         assert q.shape[0] == len(last), "q rows must equal the planned batch"
         for row in range(q.shape[0]):
             count = indptr[row + 1] - indptr[row]
@@ -147,7 +160,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             pages = indices[indptr[row] : indptr[row + 1]]
             keys = _paged_context(key_cache, pages, length)
             values = _paged_context(value_cache, pages, length)
-            result = _attend(q[row : row + 1], keys, values, self._sm_scale)
+            result = _attend(q[row : row + 1], keys, values, sm_scale) * out_scale
             out[row : row + 1] = result.to(out.dtype)
         return out
 
@@ -184,10 +197,18 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._plan_info = [0] * 15 if self._backend == "fa2" else [0] * 3
 
     def run(
-        self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], out: Any = None
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        out: Any = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = paged_kv_cache
-        self.calls.log.append(("prefill_run", {"tokens": q.shape[0]}))
+        self.calls.log.append(
+            ("prefill_run", {"tokens": q.shape[0], "k_scale": k_scale, "v_scale": v_scale})
+        )
+        sm_scale, out_scale = _scaled(self._sm_scale, k_scale, v_scale)
         assert q.shape[0] == self._qo[-1] == out.shape[0]
         for row in range(len(self._last)):
             begin, end = self._qo[row], self._qo[row + 1]
@@ -196,7 +217,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
             pages = self._indices[self._kv[row] : self._kv[row + 1]]
             keys = _paged_context(key_cache, pages, length)
             values = _paged_context(value_cache, pages, length)
-            out[begin:end] = _attend(q[begin:end], keys, values, self._sm_scale).to(out.dtype)
+            attended = _attend(q[begin:end], keys, values, sm_scale) * out_scale
+            out[begin:end] = attended.to(out.dtype)
         return out
 
 

@@ -133,6 +133,8 @@ class KVStorage:
         # them there, so CUDA graphs see what `set_scales` wrote before serving. 1 until then.
         self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=device)
         self.inverse_scales = torch.ones_like(self.scales)
+        # The same scales on the host, for kernels that take them as arguments (FlashInfer's).
+        self._host_scales: list[tuple[float, float]] = [(1.0, 1.0)] * num_layers
 
     def set_scales(self, scales: KVScales) -> None:
         """Take a float8 cache's per-layer scales (before any K/V are written)."""
@@ -144,6 +146,11 @@ class KVStorage:
             )
         self.scales.copy_(scales.scale)
         self.inverse_scales.copy_(scales.inverse)
+        self._host_scales = [(k, v) for k, v in scales.scale.tolist()]
+
+    def scale_values(self, layer: int) -> tuple[float, float]:
+        """A layer's (K, V) scales as host floats (1, 1 unless `set_scales` gave others)."""
+        return self._host_scales[layer]
 
     @staticmethod
     def bytes_per_page(

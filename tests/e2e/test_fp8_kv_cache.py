@@ -14,6 +14,7 @@ import torch
 from loopserve import LLM, SamplingParams
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.flashinfer.fa2 import FlashInferFA2Backend
+from loopserve.attention.flashinfer.xqa import FlashInferXQABackend
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.engine.engine import Engine
 from loopserve.kv.storage import FP8, KVScales
@@ -111,9 +112,11 @@ def test_backends_declare_their_fp8_path() -> None:
     assert "KV cache is not supported" not in " ".join(
         TorchAttentionBackend.unsupported_reasons(fp8)
     )
-    reasons = FlashInferFA2Backend.unsupported_reasons(fp8)
+    assert not any("KV cache" in r for r in FlashInferFA2Backend.unsupported_reasons(fp8))
+    reasons = FlashInferXQABackend.unsupported_reasons(fp8)  # one scale for K and V: not ours
     assert any("torch.float8_e4m3fn KV cache is not supported" in r for r in reasons), reasons
-    assert not any("KV cache" in r for r in FlashInferFA2Backend.unsupported_reasons(spec))
+    for backend in (FlashInferFA2Backend, FlashInferXQABackend):
+        assert not any("KV cache" in r for r in backend.unsupported_reasons(spec))
 
 
 def test_an_unknown_kv_cache_dtype_is_refused() -> None:

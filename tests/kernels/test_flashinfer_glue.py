@@ -22,6 +22,7 @@ from loopserve.attention.flashinfer.xqa import FlashInferXQABackend
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE
+from loopserve.kv.storage import FP8, KVScales
 from tests import fake_flashinfer
 from tests.fake_flashinfer import DeviceOnly
 
@@ -33,6 +34,7 @@ from .batch_specs import (
     Row,
     build_batch,
     dense_reference,
+    fp8_storage,
     tolerance,
 )
 
@@ -268,3 +270,58 @@ def test_xqa_gets_no_split_and_dense_inputs_and_zeroes_empty_rows(
     torch.testing.assert_close(out.double(), dense_reference(batch), **tolerance(GQA.dtype))
     assert [call["sm_count"] for call in calls.named("xqa")] == [1]
     assert not out.isnan().any()
+
+
+FP8_CASES = [
+    (variant, spec)
+    for variant in ("fa2-cuda_core", "fa2-tensor_core")
+    for spec in ("mixed_lengths", "padding_rows", "packed_mixed", "tiny_segments")
+]
+
+
+@pytest.mark.parametrize(("variant", "spec"), FP8_CASES, ids=[f"{v}-{s}" for v, s in FP8_CASES])
+def test_fa2_writes_and_reads_an_fp8_cache_as_the_torch_backend(
+    calls: fake_flashinfer.Calls, variant: str, spec: str
+) -> None:
+    """An fp8 cache with per-layer K and V scales: FA2 stores the torch backend's bits, plans
+    with an fp8 KV dtype, and runs (decode and prefill) with the layer's scales, None where 1;
+    its output agrees with the torch backend's reading of the same cache."""
+    batch = build_batch(SPECS[spec], GQA, "cpu", block_size=8, seed=4)
+    scales = torch.tensor([[1.0, 1.0], [0.004, 0.0123]])  # batch.layer is 1
+    kv = fp8_storage(batch, KVScales(scales, "calculated"))
+    before = kv.cache.clone()
+    spec8 = dataclasses.replace(_spec(GQA, 8), kv_dtype=FP8)
+    fp8_batch = dataclasses.replace(batch, kv=kv)
+    expected = TorchAttentionBackend(spec8).forward(
+        batch.q, batch.k, batch.v, kv, batch.layer, batch.metadata
+    )
+    expected_cache = kv.cache.clone()
+    kv.cache.copy_(before)
+    backend = FlashInferFA2Backend(spec8, decode_kernel=variant.removeprefix("fa2-"))  # type: ignore[arg-type]
+    out = _run(backend, fp8_batch)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(
+        _without_null_page(kv.cache).view(torch.uint8),
+        _without_null_page(expected_cache).view(torch.uint8),
+    )
+    plans = calls.named("decode_plan") + calls.named("prefill_plan")
+    assert plans and all(plan["kv_data_type"] == FP8 for plan in plans)
+    runs = calls.named("decode_run") + calls.named("prefill_run")
+    assert runs and all(
+        run["k_scale"] == pytest.approx(0.004) and run["v_scale"] == pytest.approx(0.0123)
+        for run in runs
+    )
+    kv.cache.copy_(before)
+    calls.log.clear()
+    kv.set_scales(KVScales.unit(2))
+    _run(FlashInferFA2Backend(spec8), fp8_batch)
+    runs = calls.named("decode_run") + calls.named("prefill_run")
+    assert all(run["k_scale"] is None and run["v_scale"] is None for run in runs)
+
+
+def test_an_fp8_cache_prefills_through_fa2_on_hopper() -> None:
+    """FlashInfer's FA3 reads fp8 K/V only with fp8 queries: an fp8 cache takes FA2 on SM90."""
+    shape = HeadShape(4, 2, 128, torch.bfloat16)
+    hopper = dataclasses.replace(_spec(shape, 16), device_type="cuda", compute_capability=(9, 0))
+    assert FlashInferBackend.prefill_kernel(hopper) == "fa3"
+    assert FlashInferBackend.prefill_kernel(dataclasses.replace(hopper, kv_dtype=FP8)) == "fa2"

@@ -22,6 +22,7 @@ from loopserve.attention.flashinfer.xqa import FlashInferXQABackend
 from loopserve.attention.torch_backend import TorchAttentionBackend
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.pages import NULL_PAGE
+from loopserve.kv.storage import FP8, KVScales
 
 from .batch_specs import (
     DECODE_SPECS,
@@ -32,6 +33,7 @@ from .batch_specs import (
     build_batch,
     decode_subset,
     dense_reference,
+    fp8_storage,
     replay_metadata,
     run_backend,
     tolerance,
@@ -236,3 +238,30 @@ def test_steady_state_decode_never_waits_for_the_device(variant: str) -> None:
     assert host_ran_ahead, "a decode pass waited for the GPU"
     for index, out in enumerate(outs):
         assert torch.equal(out, expected[index % 2])
+
+
+@pytest.mark.parametrize("variant", ["fa2-cuda_core", "fa2-tensor_core"])
+@pytest.mark.parametrize("rows", [MODERATE_DECODE, MODERATE_PREFILL], ids=["decode", "prefill"])
+def test_fa2_fp8_cache_agrees_with_the_torch_backend(variant: str, rows: list[Row]) -> None:
+    """An fp8 cache with per-layer K and V scales: FA2 stores the torch backend's bits, and reads
+    them (FlashInfer's fp8 decode and prefill, the scales on the scores and the output) to within
+    bf16 rounding of the torch backend's reading (stored times scale, rounded to bf16)."""
+    batch = build_batch(rows, OURO, DEVICE, block_size=BLOCK, seed=5)
+    scales = torch.tensor([[1.0, 1.0], [0.01, 0.02]])  # batch.layer is 1
+    kv = fp8_storage(batch, KVScales(scales, "calculated"))
+    before = kv.cache.clone()
+    spec8 = dataclasses.replace(_spec(OURO), kv_dtype=FP8)
+    assert not FlashInferFA2Backend.unsupported_reasons(spec8)
+    fp8_batch = dataclasses.replace(batch, kv=kv)
+    expected = TorchAttentionBackend(spec8).forward(
+        batch.q, batch.k, batch.v, kv, batch.layer, batch.metadata
+    )
+    expected_cache = kv.cache.clone()
+    kv.cache.copy_(before)
+    out = run_backend(VARIANTS[variant](spec8), fp8_batch)
+    torch.testing.assert_close(out, expected, **tolerance(OURO.dtype))
+    keep = torch.ones(kv.num_pages, dtype=torch.bool)
+    keep[NULL_PAGE] = False
+    assert torch.equal(
+        kv.cache[:, :, keep].view(torch.uint8), expected_cache[:, :, keep].view(torch.uint8)
+    )

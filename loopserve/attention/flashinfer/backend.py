@@ -9,6 +9,12 @@ A pass whose rows all have one query token (`metadata.is_decode`) goes through t
 decode path, which reads only device tensors. Any other pass is a prompt pass: it has host
 lengths and goes through `PagedPrefill`, every row included (loopserve never packs decode rows
 with prompt chunks: the decode step is a pass of its own).
+
+An fp8 cache (`kv_cache_dtypes` says which backend takes one): K/V are written by the rule of
+`kv.storage` (times the layer's reciprocal scale, saturated, rounded to e4m3), and FlashInfer
+reads them with the layer's scales as host floats (`KVStorage.scale_values`: the scores' scale
+times the K scale, the output times the V scale, which is the rule's read, rounded elsewhere).
+The scales are fixed before serving starts, so a CUDA graph may hold them as constants.
 """
 
 from __future__ import annotations
@@ -20,10 +26,16 @@ import torch
 
 from loopserve.attention.base import AttentionSpec, OutBufferBackend
 from loopserve.attention.flashinfer import library
-from loopserve.attention.flashinfer.prefill import FA3_HEAD_SIZES, PagedPrefill, PrefillPlan
+from loopserve.attention.flashinfer.prefill import (
+    FA3_HEAD_SIZES,
+    KVReadScales,
+    PagedPrefill,
+    PrefillPlan,
+    read_scales,
+)
 from loopserve.kernels.availability import compiled_for
 from loopserve.kv.metadata import AttentionMetadata
-from loopserve.kv.storage import KVStorage
+from loopserve.kv.storage import FP8, KVStorage, to_cache_dtype
 
 
 class FlashInferBackend(OutBufferBackend):
@@ -58,9 +70,11 @@ class FlashInferBackend(OutBufferBackend):
     def prefill_kernel(cls, spec: AttentionSpec) -> str:
         """FlashInfer's prefill implementation for `spec`: FA3 on Hopper (SM90) for the head sizes
         it is built for, FA2 elsewhere. On the H200 FA3 took 24 µs for one 1024-token prompt of
-        Ouro-1.4B's shape and 136 µs for eight, FA2 38 and 183 (docs/kernels.md)."""
+        Ouro-1.4B's shape and 136 µs for eight, FA2 38 and 183 (docs/kernels.md). An fp8 cache
+        takes FA2 (FlashInfer's FA3 reads fp8 K/V only with fp8 queries)."""
         hopper = spec.compute_capability is not None and spec.compute_capability[0] == 9
-        return "fa3" if hopper and spec.head_size in FA3_HEAD_SIZES else "fa2"
+        same_dtype = spec.cache_dtype == spec.dtype
+        return "fa3" if hopper and same_dtype and spec.head_size in FA3_HEAD_SIZES else "fa2"
 
     @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
@@ -115,6 +129,7 @@ class FlashInferBackend(OutBufferBackend):
         value_cache: torch.Tensor,  # [pages, block, Nkv, D]
         metadata: AttentionMetadata,
         out: torch.Tensor,  # [S, Nq, D] contiguous
+        scales: KVReadScales,
     ) -> None:
         """Decode attention of one query per row into `out`."""
 
@@ -134,15 +149,18 @@ class FlashInferBackend(OutBufferBackend):
         if self._metadata is not metadata:
             self.prepare(metadata)
         key_cache, value_cache = kv.key_cache(layer), kv.value_cache(layer)
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        fp8 = key_cache.dtype == FP8
+        inverse = kv.inverse_scales[layer] if fp8 else None
+        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, inverse)
+        scales = read_scales(kv.scale_values(layer)) if fp8 else KVReadScales()
         if self._prefill_plan is None:
             if q.shape[0] != metadata.num_sequences:
                 raise ValueError(
                     f"decode pass with {q.shape[0]} tokens for {metadata.num_sequences} rows"
                 )
-            self._decode(q, key_cache, value_cache, metadata, out)
+            self._decode(q, key_cache, value_cache, metadata, out, scales)
         else:
-            self._prefill.run(self._prefill_plan, q, key_cache, value_cache, out)
+            self._prefill.run(self._prefill_plan, q, key_cache, value_cache, out, scales)
 
 
 def write_kv(
@@ -151,14 +169,19 @@ def write_kv(
     key_cache: torch.Tensor,  # [pages, block, Nkv, D]
     value_cache: torch.Tensor,  # [pages, block, Nkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
+    inverse_scales: torch.Tensor | None = None,  # [2] fp32, an fp8 cache's (K, V) reciprocals
 ) -> None:
     """This pass's K/V into their slots: the Triton kernel (one launch) where it can run, else
-    two index writes (padding tokens share null-page slots; nothing reads those)."""
+    two index writes (padding tokens share null-page slots; nothing reads those); an fp8 cache
+    stores them by `kv.storage.to_cache_dtype`'s rule either way."""
     if compiled_for(key_cache):
         from loopserve.kernels.kv_write import write_kv as triton_write_kv
 
-        triton_write_kv(k, v, key_cache, value_cache, slot_mapping)
+        triton_write_kv(k, v, key_cache, value_cache, slot_mapping, inverse_scales)
         return
+    if inverse_scales is not None:
+        k = to_cache_dtype(k, key_cache.dtype, inverse_scales[0])
+        v = to_cache_dtype(v, value_cache.dtype, inverse_scales[1])
     heads, dim = key_cache.shape[-2:]
     key_cache.view(-1, heads, dim)[slot_mapping] = k
     value_cache.view(-1, heads, dim)[slot_mapping] = v

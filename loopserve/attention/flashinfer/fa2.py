@@ -38,8 +38,9 @@ from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.csr import DecodeCSR
 from loopserve.attention.flashinfer.library import import_flashinfer
 from loopserve.attention.flashinfer.plan_cache import PlanCache, PlanKey, plan_key
-from loopserve.attention.flashinfer.prefill import KernelMismatchError
+from loopserve.attention.flashinfer.prefill import KernelMismatchError, KVReadScales
 from loopserve.kv.metadata import AttentionMetadata
+from loopserve.kv.storage import FP8
 
 DecodeKernel = Literal["cuda_core", "tensor_core"]
 # GQA group sizes FlashInfer's CUDA-core decode kernel is built for, and the ones it wins at. Larger
@@ -62,6 +63,10 @@ class DecodePlan:
 
 class FlashInferFA2Backend(FlashInferBackend):
     name = "flashinfer_fa2"
+    # An fp8 cache: FlashInfer's FA2 decode and prefill read e4m3 K/V with bf16 / fp16 queries.
+    kv_cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
+        {torch.bfloat16, torch.float16, FP8}
+    )
     determinism: ClassVar[str] = (
         "decode: KV split off, bitwise batch- and plan-width-invariant; prefill: FA3 on SM90 "
         "(no KV split), else FA2 with the KV split off"
@@ -90,9 +95,12 @@ class FlashInferFA2Backend(FlashInferBackend):
         value_cache: torch.Tensor,  # [pages, block, Nkv, D]
         metadata: AttentionMetadata,
         out: torch.Tensor,  # [S, Nq, D]
+        scales: KVReadScales,
     ) -> None:
         assert self._plan is not None
-        self._plan.wrapper.run(q, (key_cache, value_cache), out=out)
+        self._plan.wrapper.run(
+            q, (key_cache, value_cache), out=out, k_scale=scales.k_scale, v_scale=scales.v_scale
+        )
 
     def _new_plan(self, key: PlanKey, device: torch.device) -> DecodePlan:
         """A planned wrapper for `key`, from pinned dummy lists (no device-to-host copy)."""
@@ -124,7 +132,7 @@ class FlashInferFA2Backend(FlashInferBackend):
             spec.head_size,
             spec.block_size,
             q_data_type=spec.dtype,
-            kv_data_type=spec.dtype,
+            kv_data_type=spec.cache_dtype,
             sm_scale=self.scale,
             disable_split_kv=True,
             non_blocking=True,

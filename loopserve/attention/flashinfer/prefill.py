@@ -2,7 +2,8 @@
 FA2, or FA3 (Hopper) where a backend asks for it.
 
 Owns: one prefill wrapper per backend, planned once per prompt pass from its host lengths with the
-KV split off, and the check after the first plan that FlashInfer planned the kernel asked for.
+KV split off, the check after the first plan that FlashInfer planned the kernel asked for, and
+`KVReadScales` (an fp8 cache's layer scales as FlashInfer's `run` calls take them, decode's too).
 Must not: serve the decode path (its plan reads host lengths) or be captured in a CUDA graph.
 
 Determinism: with `disable_split_kv=True` (FA2) each query tile's reduction runs in one CTA over
@@ -31,6 +32,19 @@ _FA2_PLAN_INFO_LENGTH = 15
 
 class KernelMismatchError(RuntimeError):
     """FlashInfer planned a different kernel than the one asked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVReadScales:
+    """What FlashInfer's `run` is given for an fp8 cache: None where a scale is 1 (no work)."""
+
+    k_scale: float | None = None
+    v_scale: float | None = None
+
+
+def read_scales(values: tuple[float, float]) -> KVReadScales:
+    k_scale, v_scale = values
+    return KVReadScales(None if k_scale == 1.0 else k_scale, None if v_scale == 1.0 else v_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +93,7 @@ class PagedPrefill:
             causal=True,
             sm_scale=self.scale,
             q_data_type=spec.dtype,
-            kv_data_type=spec.dtype,
+            kv_data_type=spec.cache_dtype,
             disable_split_kv=True,
         )
         if page_table.device.type == "cuda":
@@ -100,12 +114,16 @@ class PagedPrefill:
         key_cache: torch.Tensor,  # [pages, block, Nkv, D]
         value_cache: torch.Tensor,  # [pages, block, Nkv, D]
         out: torch.Tensor,  # [T, Nq, D] contiguous
+        scales: KVReadScales,  # an fp8 cache's (None: 1)
     ) -> None:
         tokens = plan.num_tokens
         queries = q[:tokens]
         if self.kernel == "fa3" and not queries.is_contiguous():
             queries = queries.contiguous()
-        self._wrapper.run(queries, (key_cache, value_cache), out=out[:tokens])
+        self._wrapper.run(
+            queries, (key_cache, value_cache), out=out[:tokens], k_scale=scales.k_scale,
+            v_scale=scales.v_scale,
+        )  # fmt: skip
         if plan.empty_tokens is not None:
             out.index_fill_(0, plan.empty_tokens, 0.0)
         if tokens < q.shape[0]:

@@ -19,7 +19,8 @@ batches (16 CTAs for one Ouro row).
 Rows of no context: XQA leaves NaN in them (seen on the H200); the backend zeroes them, as the
 other backends' rows of length 0 are.
 
-FP8 KV: XQA reads an FP8 cache with bf16 queries; `kv_cache_dtypes` is where that plugs in.
+FP8 KV: XQA reads an FP8 cache with bf16 queries, but with one `kv_scale` for K and V, where
+loopserve's cache has a K and a V scale per layer; not declared (FA2 takes an fp8 cache).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from loopserve.attention.base import AttentionSpec
 from loopserve.attention.flashinfer.backend import FlashInferBackend
 from loopserve.attention.flashinfer.library import import_flashinfer
+from loopserve.attention.flashinfer.prefill import KVReadScales
 from loopserve.kv.metadata import AttentionMetadata
 
 # The SM count XQA's multi-block heuristic is given: 1 makes it choose one CTA per row and KV head.
@@ -70,6 +72,7 @@ class FlashInferXQABackend(FlashInferBackend):
         value_cache: torch.Tensor,  # [pages, block, Nkv, D]
         metadata: AttentionMetadata,
         out: torch.Tensor,  # [S, Nq, D] contiguous
+        scales: KVReadScales,  # always 1: no fp8 cache is declared here
     ) -> None:
         import_flashinfer().xqa(
             q.contiguous().unsqueeze(1),  # [S, beam 1, Nq, D]; XQA reads q densely
