@@ -39,8 +39,9 @@ ENGINE_TESTS="tests/gpu/test_engine_flashinfer_gpu.py"
 TRITON_TESTS="${TRITON_TESTS:-tests/kernels/test_kernels_gpu.py}"
 ENGINE_FILTER="not fp32_engine_equals_reference"  # Triton's fp32 suite (16 engines), no FlashInfer
 KERNELS_FILTER="${KERNELS_FILTER:-not extended}"
-# The shapes the GPU tests and the table build FlashInfer modules for (heads,kv,dim,dtype,block).
-SHAPES=(16,16,128,bfloat16,16 4,2,128,bfloat16,16)
+# The shapes the GPU tests and the table build FlashInfer modules for
+# (heads,kv,dim,dtype,block[,kv_dtype]); the fp8 one for FA2's fp8-cache test.
+SHAPES=(16,16,128,bfloat16,16 4,2,128,bfloat16,16 16,16,128,bfloat16,16,float8_e4m3fn)
 if [ "$EXTENDED" = 1 ]; then
   KERNELS_FILTER="flashinfer"
   SHAPES+=(32,8,128,bfloat16,16 32,4,128,bfloat16,16 8,8,64,bfloat16,16 4,2,64,bfloat16,16

@@ -325,3 +325,12 @@ def test_an_fp8_cache_prefills_through_fa2_on_hopper() -> None:
     hopper = dataclasses.replace(_spec(shape, 16), device_type="cuda", compute_capability=(9, 0))
     assert FlashInferBackend.prefill_kernel(hopper) == "fa3"
     assert FlashInferBackend.prefill_kernel(dataclasses.replace(hopper, kv_dtype=FP8)) == "fa2"
+
+
+def test_prebuild_shapes_name_an_fp8_cache() -> None:
+    from loopserve.attention.flashinfer.prebuild import parse_shape
+
+    plain = parse_shape("16,16,128,bfloat16,16", (9, 0))
+    fp8 = parse_shape("16,16,128,bfloat16,16,float8_e4m3fn", (9, 0))
+    assert plain.cache_dtype == torch.bfloat16 and fp8.cache_dtype == FP8
+    assert dataclasses.replace(fp8, kv_dtype=None) == plain

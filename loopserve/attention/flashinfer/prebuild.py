@@ -8,8 +8,9 @@ simply compiled on first use, as FlashInfer does anyway.
 
 Usage (on the GPU machine, flashinfer importable):
   python -m loopserve.attention.flashinfer.prebuild --shape 16,16,128,bfloat16,16 ...
-A shape is `heads,kv_heads,head_dim,dtype,block`; every registered FlashInfer backend that can
-serve it on this GPU gets its modules built (both FA2 decode kernels with --both-decode-kernels).
+A shape is `heads,kv_heads,head_dim,dtype,block[,kv_dtype]` (kv_dtype: the cache's, such as
+float8_e4m3fn; default dtype); every registered FlashInfer backend that can serve it on this GPU
+gets its modules built (both FA2 decode kernels with --both-decode-kernels).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def jit_specs(spec: AttentionSpec, both_decode_kernels: bool = False) -> dict[st
 
     dtype, dim = spec.dtype, spec.head_size
     # (q, kv, out, index dtypes, head dims, no position encoding, no window, no soft cap)
-    common = (dtype, dtype, dtype, torch.int32, dim, dim, 0, False, False)
+    common = (dtype, spec.cache_dtype, dtype, torch.int32, dim, dim, 0, False, False)
     found: list[Any] = []
     backends: list[type[FlashInferBackend]] = [FlashInferFA2Backend, FlashInferXQABackend]
     if any(not backend.unsupported_reasons(spec) for backend in backends):
@@ -81,7 +82,7 @@ def prebuild(specs: list[AttentionSpec], both_decode_kernels: bool = False) -> l
 
 
 def parse_shape(text: str, capability: tuple[int, int] | None) -> AttentionSpec:
-    heads, kv_heads, dim, dtype, block = text.split(",")
+    heads, kv_heads, dim, dtype, block, *kv_dtype = text.split(",")
     return AttentionSpec(
         device_type="cuda",
         compute_capability=capability,
@@ -91,12 +92,15 @@ def parse_shape(text: str, capability: tuple[int, int] | None) -> AttentionSpec:
         num_kv_heads=int(kv_heads),
         block_size=int(block),
         cuda_graphs=True,
+        kv_dtype=getattr(torch, kv_dtype[0]) if kv_dtype else None,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", action="append", required=True, help="h,kv_h,dim,dtype,block")
+    parser.add_argument(
+        "--shape", action="append", required=True, help="h,kv_h,dim,dtype,block[,kv_dtype]"
+    )
     parser.add_argument("--both-decode-kernels", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
