@@ -113,6 +113,11 @@ def test_backends_declare_their_fp8_path() -> None:
         TorchAttentionBackend.unsupported_reasons(fp8)
     )
     assert not any("KV cache" in r for r in FlashInferFA2Backend.unsupported_reasons(fp8))
+    head_64 = dataclasses.replace(fp8, head_size=64)  # FlashInfer's FA2 fp8 loaders: not at 64
+    assert any(
+        "fp8 KV cache at head size 64" in r
+        for r in FlashInferFA2Backend.unsupported_reasons(head_64)
+    )
     reasons = FlashInferXQABackend.unsupported_reasons(fp8)  # one scale for K and V: not ours
     assert any("torch.float8_e4m3fn KV cache is not supported" in r for r in reasons), reasons
     for backend in (FlashInferFA2Backend, FlashInferXQABackend):

@@ -63,10 +63,12 @@ class DecodePlan:
 
 class FlashInferFA2Backend(FlashInferBackend):
     name = "flashinfer_fa2"
-    # An fp8 cache: FlashInfer's FA2 decode and prefill read e4m3 K/V with bf16 / fp16 queries.
+    # An fp8 cache: FlashInfer's FA2 decode and prefill read e4m3 K/V with bf16 / fp16 queries,
+    # at head size 128 (FlashInfer 0.7.2's FA2 tile loaders say they do not work for fp8 at 64).
     kv_cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = frozenset(
         {torch.bfloat16, torch.float16, FP8}
     )
+    fp8_head_sizes: ClassVar[frozenset[int]] = frozenset({128})
     determinism: ClassVar[str] = (
         "decode: KV split off, bitwise batch- and plan-width-invariant; prefill: FA3 on SM90 "
         "(no KV split), else FA2 with the KV split off"
@@ -78,6 +80,16 @@ class FlashInferFA2Backend(FlashInferBackend):
         self.plans: PlanCache[DecodePlan] = PlanCache(PLAN_CACHE_CAPACITY)
         self._plan: DecodePlan | None = None
         self._float_workspace: torch.Tensor | None = None
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = super().unsupported_reasons(spec)
+        if spec.cache_dtype == FP8 and spec.head_size not in cls.fp8_head_sizes:
+            reasons.append(
+                f"an fp8 KV cache at head size {spec.head_size} (FlashInfer's FA2 reads fp8 K/V "
+                f"at {sorted(cls.fp8_head_sizes)})"
+            )
+        return reasons
 
     def _prepare_decode(self, metadata: AttentionMetadata) -> None:
         rows, width = metadata.page_table.shape
