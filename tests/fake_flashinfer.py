@@ -69,6 +69,21 @@ def _paged_context(cache: torch.Tensor, pages: list[int], length: int) -> torch.
         return cache[torch.tensor(pages, dtype=torch.long)].flatten(0, 1)[:length]
 
 
+def _csr_context(
+    caches: tuple[torch.Tensor, torch.Tensor],
+    indptr: list[int],
+    indices: list[int],
+    last: list[int],
+    page_size: int,
+    row: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row `row`'s keys and values from FlashInfer's page lists (CSR pages, last page's length)."""
+    count = indptr[row + 1] - indptr[row]
+    length = 0 if count == 0 else (count - 1) * page_size + last[row]
+    pages = indices[indptr[row] : indptr[row + 1]]
+    return _paged_context(caches[0], pages, length), _paged_context(caches[1], pages, length)
+
+
 class BatchDecodeWithPagedKVCacheWrapper:
     calls: Calls
     split = False  # a test sets it to see a split plan rejected
@@ -146,7 +161,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ) -> torch.Tensor:
         assert self._paged_kv_indptr_buf is not None and self._paged_kv_indices_buf is not None
         assert self._paged_kv_last_page_len_buf is not None
-        key_cache, value_cache = paged_kv_cache
         indptr, indices = _host(self._paged_kv_indptr_buf), _host(self._paged_kv_indices_buf)
         last = _host(self._paged_kv_last_page_len_buf)
         self.calls.log.append(
@@ -155,11 +169,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         sm_scale, out_scale = _scaled(self._sm_scale, k_scale, v_scale)
         assert q.shape[0] == len(last), "q rows must equal the planned batch"
         for row in range(q.shape[0]):
-            count = indptr[row + 1] - indptr[row]
-            length = 0 if count == 0 else (count - 1) * self._page_size + last[row]
-            pages = indices[indptr[row] : indptr[row + 1]]
-            keys = _paged_context(key_cache, pages, length)
-            values = _paged_context(value_cache, pages, length)
+            keys, values = _csr_context(paged_kv_cache, indptr, indices, last, self._page_size, row)
             result = _attend(q[row : row + 1], keys, values, sm_scale) * out_scale
             out[row : row + 1] = result.to(out.dtype)
         return out
@@ -204,7 +214,6 @@ class BatchPrefillWithPagedKVCacheWrapper:
         k_scale: float | None = None,
         v_scale: float | None = None,
     ) -> torch.Tensor:
-        key_cache, value_cache = paged_kv_cache
         self.calls.log.append(
             ("prefill_run", {"tokens": q.shape[0], "k_scale": k_scale, "v_scale": v_scale})
         )
@@ -212,11 +221,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
         assert q.shape[0] == self._qo[-1] == out.shape[0]
         for row in range(len(self._last)):
             begin, end = self._qo[row], self._qo[row + 1]
-            count = self._kv[row + 1] - self._kv[row]
-            length = 0 if count == 0 else (count - 1) * self._page_size + self._last[row]
-            pages = self._indices[self._kv[row] : self._kv[row + 1]]
-            keys = _paged_context(key_cache, pages, length)
-            values = _paged_context(value_cache, pages, length)
+            keys, values = _csr_context(
+                paged_kv_cache, self._kv, self._indices, self._last, self._page_size, row
+            )
             attended = _attend(q[begin:end], keys, values, sm_scale) * out_scale
             out[begin:end] = attended.to(out.dtype)
         return out
