@@ -15,7 +15,7 @@ Prefill: fresh prompts, planned outside the graph (as the engine plans them per 
 
 Usage: python -m benchmarks.attention_table [--backends triton,flashinfer_fa2,...]
            [--rows 1,8,32,128] [--contexts 512,640,2048,8192] [--prefill 1x1024,8x1024]
-           [--out FILE.jsonl] [--markdown FILE.md]
+           [--kv-cache-dtype auto|fp8] [--out FILE.jsonl] [--markdown FILE.md]
 Backend names are the registry's, plus `flashinfer_fa2:cuda_core` / `:tensor_core` to force one
 FA2 decode kernel. A backend that cannot serve the shape is reported with its reasons, not timed.
 """
@@ -37,7 +37,7 @@ from loopserve.attention.base import AttentionBackend, AttentionSpec
 from loopserve.attention.registry import backend_class
 from loopserve.bench.provenance import describe
 from loopserve.kv.metadata import AttentionMetadata
-from loopserve.kv.storage import KVStorage
+from loopserve.kv.storage import KVStorage, special_cache_dtype
 
 DEFAULT_BACKENDS = (
     "triton",
@@ -123,15 +123,20 @@ def _spec(shape: Shape, device: torch.device) -> AttentionSpec:
         device_type="cuda", compute_capability=torch.cuda.get_device_capability(device),
         dtype=shape.dtype, head_size=shape.head_dim, num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads, block_size=shape.block_size, cuda_graphs=True,
+        kv_dtype=shape.kv_dtype,
     )  # fmt: skip
 
 
 def run_table(args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device())
-    shape, records = Shape(), []
+    shape, records = Shape(kv_dtype=special_cache_dtype(args.kv_cache_dtype)), []
     spec = _spec(shape, device)
     backends = {name: make_backend(name, spec) for name in args.backends.split(",")}
-    base = {"git": describe(device).git_sha, "device": describe(device).device}
+    base = {
+        "git": describe(device).git_sha,
+        "device": describe(device).device,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     configs = [("decode", rows, context) for rows in args.rows for context in args.contexts]
     configs += [("prefill", count, tokens) for count, tokens in args.prefill]
     for kind, rows, context in configs:
@@ -189,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=parse_list, default=[1, 8, 32, 128])
     parser.add_argument("--contexts", type=parse_list, default=[512, 640, 2048, 8192])
     parser.add_argument("--prefill", type=parse_prompts, default=[(1, 1024), (8, 1024)])
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+        help="fp8: every backend reads an e4m3 cache (scales 1); tb_per_s counts its bytes",
+    )  # fmt: skip
     parser.add_argument("--out", help="append the JSON lines to this file too")
     parser.add_argument("--markdown", help="write the table to this file too")
     args = parser.parse_args(argv)

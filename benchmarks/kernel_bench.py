@@ -54,6 +54,11 @@ class KernelShape:
     head_dim: int = 128
     block_size: int = 16
     dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype | None = None  # how K/V are stored (an fp8 cache); None: as `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +139,7 @@ def build_workload(seq_lens: list[int], query_lens: list[int], settings: BenchSe
 
 def kv_bytes_per_layer(seq_lens: list[int], shape: KernelShape) -> int:
     """Bytes of K and V of every row's context in one layer."""
-    element = torch.empty((), dtype=shape.dtype).element_size()
+    element = torch.empty((), dtype=shape.cache_dtype).element_size()
     return 2 * sum(seq_lens) * shape.num_kv_heads * shape.head_dim * element
 
 
@@ -152,10 +157,11 @@ def paged_pass(
     table, slots = _paging(seq_lens, query_lens, shape.block_size, device)
     kv = KVStorage(
         num_layers=layers, num_pages=int(table.max()) + 1, block_size=shape.block_size,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=shape.cache_dtype,
         device=device,
     )  # fmt: skip
-    kv.cache.normal_()
+    for layer in kv.cache:  # normal values, rounded to the cache's dtype (one layer at a time)
+        layer.copy_(torch.randn(layer.shape, dtype=shape.dtype, device=device))
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
@@ -374,7 +380,11 @@ def run(
     """Run every config and emit one JSON line each; a failing config emits its error instead."""
     shape, device = settings.shape, settings.device
     environment = _environment(device)
-    common = {**dataclasses.asdict(shape), "dtype": str(shape.dtype).removeprefix("torch.")}
+    common = {
+        **dataclasses.asdict(shape),
+        "dtype": str(shape.dtype).removeprefix("torch."),
+        "kv_dtype": str(shape.cache_dtype).removeprefix("torch."),
+    }
     records = []
     for bench, args, tiling in entries:
         try:

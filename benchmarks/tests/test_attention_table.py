@@ -14,7 +14,9 @@ from benchmarks.attention_table import (
     parse_list,
     parse_prompts,
 )
+from benchmarks.kernel_bench import KernelShape, kv_bytes_per_layer, paged_pass
 from loopserve.attention.base import AttentionSpec
+from loopserve.kv.storage import FP8
 
 
 def test_parsing_and_layer_counts() -> None:
@@ -51,3 +53,14 @@ def test_markdown_table() -> None:
         "| decode | 1 | 640 | 6.7 (0.78) | n/a |",
         "| prefill | 8 | 1024 | 120.0 | error |",
     ]
+
+
+def test_an_fp8_workload_stores_and_counts_float8() -> None:
+    shape = KernelShape(num_heads=2, num_kv_heads=2, head_dim=32, block_size=8, kv_dtype=FP8)
+    kv, _, q, k, _ = paged_pass([20, 9], [1, 1], shape, torch.device("cpu"), 2, False)
+    assert kv.cache.dtype == FP8 and q.dtype == k.dtype == torch.bfloat16
+    assert kv.cache.float().std() > 0.5  # normal values, not the zeros of a fresh cache
+    assert kv_bytes_per_layer([20, 9], shape) == 2 * 29 * 2 * 32  # one byte an element
+    assert kv_bytes_per_layer([20, 9], KernelShape(num_heads=2, num_kv_heads=2, head_dim=32)) == (
+        2 * 29 * 2 * 32 * 2
+    )
