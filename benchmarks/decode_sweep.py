@@ -15,7 +15,7 @@ with page tables padded to the longest context (as the engine's are). Stages:
 A time budget (--budget-s) cuts stages 2 and 3 short; the summary uses what was measured.
 
 Usage: python -m benchmarks.decode_sweep [--budget-s 230] [--out FILE] [--rows 1,8,32,128]
-           [--contexts 512,640,2048,8192] [--top 3]
+           [--contexts 512,640,2048,8192] [--top 3] [--kv-cache-dtype auto|fp8]
        python -m benchmarks.decode_sweep --smoke   (tiny shapes in the CPU interpreter)
 """
 
@@ -44,6 +44,7 @@ from benchmarks.kernel_bench import (
     build_workload,
 )
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
+from loopserve.kv.storage import special_cache_dtype
 
 LANES = DecodeTiling(tensor_cores=False, heads_per_program=1, block_n=32)
 DOTS = DecodeTiling(tensor_cores=True, heads_per_program=16, block_n=64)
@@ -120,10 +121,13 @@ def fixed_schedule(
 
 
 def decode_bytes(rows: int, context: int, shape: KernelShape) -> int:
-    """Bytes a decode layer must move: K/V read, q read, out written, new K/V written."""
+    """Bytes a decode layer must move: K/V read (in the cache's dtype), q read, out written, new
+    K/V written."""
     element = torch.empty((), dtype=shape.dtype).element_size()
-    kv_read = 2 * rows * context * shape.num_kv_heads * shape.head_dim * element
-    return kv_read + 2 * rows * (shape.num_heads + shape.num_kv_heads) * shape.head_dim * element
+    stored = torch.empty((), dtype=shape.cache_dtype).element_size()
+    kv_read = 2 * rows * context * shape.num_kv_heads * shape.head_dim * stored
+    heads = shape.num_heads + shape.num_kv_heads
+    return kv_read + rows * shape.head_dim * (2 * shape.num_heads * element + heads * stored)
 
 
 @dataclass(slots=True)
@@ -325,13 +329,16 @@ def run_sweep(sweep: Sweep, emit: Callable[[dict], None], tilings=None) -> list[
 
 
 def _sweep_from_args(args: argparse.Namespace) -> Sweep:
+    kv_dtype = special_cache_dtype(args.kv_cache_dtype)
     if args.smoke:
-        settings = SMOKE_SETTINGS
+        shape = dataclasses.replace(SMOKE_SETTINGS.shape, kv_dtype=kv_dtype)
+        settings = dataclasses.replace(SMOKE_SETTINGS, shape=shape)
         return Sweep(settings, rows=(1, 3), contexts=(24, 40), top=1, budget_s=600, num_sms=1)
     from benchmarks.kernel_bench import cuda_timer
 
     device = torch.device("cuda")
-    settings = BenchSettings(device, cuda_timer, min_working_set=256 * 2**20)
+    shape = KernelShape(kv_dtype=kv_dtype)
+    settings = BenchSettings(device, cuda_timer, shape, min_working_set=256 * 2**20)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = tuple(int(x) for x in args.rows.split(","))
     contexts = tuple(int(x) for x in args.contexts.split(","))
@@ -349,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=230.0, help="stop starting new timings")
     parser.add_argument("--out", help="also write the JSON lines (records, then summary) here")
     parser.add_argument("--tables", help="also write the printed tables here")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+        help="fp8: an e4m3 cache (scales 1); TB/s count its bytes",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the CPU interpreter")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():

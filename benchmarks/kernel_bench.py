@@ -125,6 +125,7 @@ def _spec(shape: KernelShape, device: torch.device) -> AttentionSpec:
         num_kv_heads=shape.num_kv_heads,
         block_size=shape.block_size,
         cuda_graphs=on_cuda,
+        kv_dtype=shape.kv_dtype,
     )
 
 

@@ -11,6 +11,7 @@ from benchmarks import decode_sweep as sweep_module
 from benchmarks import decode_sweep_report as report
 from benchmarks.decode_sweep import Sweep, fixed_schedule, run_sweep
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
+from loopserve.kv.storage import FP8
 
 ROWS, CONTEXTS = (1, 32), (640, 8192)
 DEFAULT = dataclasses.asdict(DecodeSchedule())
@@ -88,9 +89,13 @@ def test_split_groups_cover_every_programs_per_sm_once() -> None:
         assert min(groups) == 1 and 0.0 in groups[1]
 
 
-def test_tiny_sweep_runs_every_stage(device: torch.device) -> None:
-    """The interpreter (or a GPU): the old kernel, a tiling, its schedules, the separate write."""
+@pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["auto", "fp8"])
+def test_tiny_sweep_runs_every_stage(device: torch.device, kv_dtype: torch.dtype | None) -> None:
+    """The interpreter (or a GPU): the old kernel, a tiling, its schedules, the separate write;
+    on the model's cache and on an fp8 one."""
     settings = sweep_module.SMOKE_SETTINGS
+    shape = dataclasses.replace(settings.shape, kv_dtype=kv_dtype)
+    settings = dataclasses.replace(settings, shape=shape)
     if device.type == "cuda":
         settings = dataclasses.replace(settings, device=device)
     sweep = Sweep(settings, rows=(1,), contexts=(24,), top=1, budget_s=600, num_sms=2)
@@ -102,6 +107,9 @@ def test_tiny_sweep_runs_every_stage(device: torch.device) -> None:
     assert variants == {report.BASELINE, "lanes", "lanes (separate kv_write)"}
     assert all(r["relative_diff_vs_before"] < 0.05 for r in records)
     assert report.summary(records, sweep.rows, sweep.contexts, tilings)["tiling_name"] == "lanes"
+    stored = 1 if kv_dtype == FP8 else 2  # the smoke shape's model dtype is bf16
+    moved = 2 * 24 * 2 * 32 * stored + 32 * (2 * 2 * 2 + 4 * stored)
+    assert sweep_module.decode_bytes(1, 24, shape) == moved
 
 
 def test_default_schedule_at_ouro_shape() -> None:
