@@ -212,6 +212,7 @@ class TritonAttentionBackend(OutBufferBackend):
                 rope=metadata.rope,
                 last_program_combines=self.decode_schedule.last_program_combines,
                 kv_scales=(scales, inverse_scales),
+                unit_scales=kv.scale_values(layer) == (1.0, 1.0),
             )  # fmt: skip
         if plan.prefill_tiles is not None:
             paged_prefill_attention(

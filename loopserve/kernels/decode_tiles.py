@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loopserve.kernels.kv_write import read_value
+from loopserve.kernels.kv_write import read_value, read_wide
 
 
 @triton.jit
@@ -105,12 +105,12 @@ def tile_dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _lane_step(
     lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, UNIT_SCALES: tl.constexpr,
 ):  # fmt: skip
     """One tile into the lanes' online softmax: (max [N], sum [N], acc [N, D]) -> updated. K/V
-    are read as the query's `dtype` (`read_value`: an fp8 cache's scales), then widened."""
-    k = read_value(k, k_scale, dtype).to(tl.float32)
-    v = read_value(v, v_scale, dtype).to(tl.float32)
+    are read as the query's `dtype` (`read_wide`: an fp8 cache's scales), then widened."""
+    k = read_wide(k, k_scale, dtype, UNIT_SCALES)
+    v = read_wide(v, v_scale, dtype, UNIT_SCALES)
     scores = tl.sum(k * q, axis=1)  # [BLOCK_N], log2 units (q is pre-scaled)
     if MASKED:
         scores = tl.where(valid, scores, float("-inf"))
@@ -166,6 +166,7 @@ def lane_tiles(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    UNIT_SCALES: tl.constexpr,  # an fp8 cache whose layer scales are 1 (`kv_write.read_wide`)
 ):
     """One query head on CUDA cores: lane n of the tile keeps its own online softmax over tokens
     n, n + BLOCK_N, ... of the partition; lanes are merged once, at the partition's end, so the
@@ -190,7 +191,7 @@ def lane_tiles(
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False,
         )  # fmt: skip
         lane_max, lane_sum, acc = _lane_step(
-            lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype, False
+            lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype, False, UNIT_SCALES
         )
         if (local == (1 << tile_shift) - 1) | (start + BLOCK_N >= seq_len):  # partition ends
             _lane_flush(
@@ -208,7 +209,7 @@ def lane_tiles(
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
         )  # fmt: skip
         lane_max, lane_sum, acc = _lane_step(
-            lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype, True
+            lane_max, lane_sum, acc, q, k, v, valid, k_scale, v_scale, dtype, True, UNIT_SCALES
         )
         _lane_flush(lane_max, lane_sum, acc, out_ptrs, max_ptrs, sum_ptrs, part, HEAD_DIM, BLOCK_D)
 

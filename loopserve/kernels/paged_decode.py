@@ -126,6 +126,7 @@ def _decode_kernel(
     COMBINE: tl.constexpr,  # one program per row: combine here (num_split_programs == 1)
     LAST_COMBINES: tl.constexpr,  # the last of a row's programs to finish combines it
     PARTIALS_CACHE: tl.constexpr,  # ".cg" with LAST_COMBINES (other programs' partials)
+    UNIT_SCALES: tl.constexpr,  # the layer's K and V scales are both 1 (fp8: widen only)
 ):
     row = tl.program_id(0)
     split = tl.program_id(2)
@@ -177,7 +178,7 @@ def _decode_kernel(
             table_row_ptr, partial_out_ptr + partial_rows, partial_max_ptr + scalar_rows,
             partial_sum_ptr + scalar_rows, scale_log2, k_scale, v_scale, seq_len, part_size,
             split, num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
-            stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
+            stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, UNIT_SCALES,
         )  # fmt: skip
     finish = _finishes_row(
         arrivals_ptr + row.to(tl.int64) * stride_arrivals_row + tl.program_id(1), split,
@@ -277,6 +278,7 @@ def paged_decode_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     last_program_combines: bool = False,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    unit_scales: bool = False,
 ) -> None:
     """Attention of every one-token row over its pages into `out`; other rows are left alone.
 
@@ -287,7 +289,9 @@ def paged_decode_attention(
     separate launch; q and k are left as they are). `last_program_combines`: when rows are
     shared by several programs, the last one to finish folds the row (no combine launch).
     `kv_scales`: a float8 cache's ([2] scales, [2] reciprocals) of the layer's K and V
-    (`KVStorage.scales`, `inverse_scales`; None: 1). Reads only device tensors of `metadata`
+    (`KVStorage.scales`, `inverse_scales`; None: 1); `unit_scales`: the caller knows both are 1
+    (`KVStorage.scale_values`), so the kernel reads none (the same bits, less work: implied by
+    `kv_scales` None). Reads only device tensors of `metadata`
     (never its host lists), so it can be graph-captured.
     """
     if new_kv is not None and metadata.max_query_len != 1:
@@ -305,7 +309,7 @@ def paged_decode_attention(
     last_combines = last_program_combines and num_split_programs > 1
     _launch_decode(
         q, key_cache, value_cache, metadata, out, workspace, scale, num_split_programs, tiling,
-        new_kv, rope, last_combines, kv_scales,
+        new_kv, rope, last_combines, kv_scales, unit_scales or kv_scales is None,
     )  # fmt: skip
     if num_split_programs > 1 and not last_combines:
         _launch_combine(out, metadata, workspace, tiling)
@@ -325,6 +329,7 @@ def _launch_decode(
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     last_combines: bool,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    unit_scales: bool,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     scales, inverse_scales = kv_scales if kv_scales is not None else (None, None)
@@ -373,6 +378,7 @@ def _launch_decode(
         COMBINE=num_split_programs == 1,
         LAST_COMBINES=last_combines,
         PARTIALS_CACHE=".cg" if last_combines else "",
+        UNIT_SCALES=unit_scales,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )  # fmt: skip

@@ -170,6 +170,25 @@ def test_scaled_fp8_cache_matches_torch_backend(
     assert not torch.allclose(other.float(), out.float(), **close)
 
 
+def test_unit_scales_are_read_without_the_multiply_and_give_the_same_bits(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With both layer scales 1 (the default), which the backend knows from the host's copy,
+    the decode lanes only widen fp8 K/V (`kernels.kv_write.read_wide`); told otherwise (the
+    device's scales still 1), they multiply by 1 and round to bf16 first: the same bits."""
+    shape = SHAPES[1]  # bf16 MHA: the lanes path
+    batch = build_batch(SPECS["mixed_lengths"], shape, device, seed=5)
+    kv = fp8_storage(batch)
+    before = kv.cache.clone()
+    attention_spec = dataclasses.replace(_spec(shape, device.type), kv_dtype=FP8)
+    fp8_batch = dataclasses.replace(batch, kv=kv)
+    unit = _run_triton(fp8_batch, TritonAttentionBackend(attention_spec))
+    kv.cache.copy_(before)
+    monkeypatch.setattr(kv, "scale_values", lambda layer: (1.0, 1.0 + 2**-20))
+    scaled = _run_triton(fp8_batch, TritonAttentionBackend(attention_spec))
+    assert not unit.isnan().any() and torch.equal(unit, scaled)
+
+
 def test_decode_row_is_the_same_next_to_prompt_chunks(device: torch.device) -> None:
     """Decode rows give the same bits in a mixed pass and in a decode-only pass."""
     shape = SHAPES[1]
