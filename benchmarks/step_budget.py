@@ -66,23 +66,33 @@ def profile_step(runner: ModelRunner, rows: int, kind: SamplingKind) -> dict[str
     return dict(budget)
 
 
-def step_bytes(config: LoopedConfig, rows: int, context: int) -> dict[str, float]:
-    """Bytes each category must move in one decode loop of `rows` rows of `context` tokens."""
+def step_bytes(
+    config: LoopedConfig, rows: int, context: int, weight_bytes: int = 2, kv_bytes: int = 2
+) -> dict[str, float]:
+    """Bytes each category must move in one decode loop of `rows` rows of `context` tokens, the
+    layers' weights at `weight_bytes` a value (1: fp8; the LM head stays bf16) and K/V at
+    `kv_bytes` (1: an fp8 cache)."""
     hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
     per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inner
     return {
-        "matmul": 2.0 * layers * per_layer,
+        "matmul": float(weight_bytes * layers * per_layer),
         "lm_head": 2.0 * config.vocab_size * hidden,
-        "attention": 2.0 * 2 * layers * kv_size * context * rows,
+        "attention": float(kv_bytes * 2 * layers * kv_size * context * rows),
     }
 
 
 def budget_record(
-    concurrency: int, model_dir: Path, max_model_len: int | None
+    concurrency: int,
+    model_dir: Path,
+    max_model_len: int | None,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, object]:
-    engine, timed = steady_engine(concurrency, 0.0, model_dir, max_model_len)
+    engine, timed = steady_engine(
+        concurrency, 0.0, model_dir, max_model_len, None, quantization, kv_cache_dtype
+    )
     runner = timed.runner
     slots = list(engine.scheduler.slots.decoding)
     rows, kind = max(slots) + 1, runner.decode.sampling_kind(slots)
@@ -90,7 +100,9 @@ def budget_record(
     budget = profile_step(runner, rows, kind)
     # The LM head is one matmul per step; the profile cannot tell it from the weight matmuls by
     # name, so its bytes are added to theirs.
-    volumes = step_bytes(engine.model_config, concurrency, context)
+    weight_bytes = 1 if quantization == "fp8" else 2
+    kv_bytes = 1 if kv_cache_dtype == "fp8" else 2
+    volumes = step_bytes(engine.model_config, concurrency, context, weight_bytes, kv_bytes)
     volumes["matmul"] += volumes.pop("lm_head")
     table = {}
     for category, entry in sorted(budget.items(), key=lambda item: -item[1]["device_us"]):
@@ -106,6 +118,8 @@ def budget_record(
     graph_ms = device_step_ms(engine, runner, graphs=True)
     return {
         "concurrency": concurrency,
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
         "rows": rows,
         "mean_context": context,
         "categories": table,
@@ -121,13 +135,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--concurrency", default="1,32")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     parser.add_argument("--out", type=Path, help="also append the JSON lines here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         model_dir = Path(directory)
         (model_dir / "config.json").write_text(json.dumps(OuroConfig().to_hf_dict()))
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            emit(budget_record(concurrency, model_dir, args.max_model_len), args.out)
+            record = budget_record(
+                concurrency, model_dir, args.max_model_len, args.quantization, args.kv_cache_dtype
+            )
+            emit(record, args.out)
             torch.cuda.empty_cache()
     return 0
 

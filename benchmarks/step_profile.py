@@ -38,11 +38,14 @@ def steady_engine(
     model_dir: Path,
     max_model_len: int | None,
     speculative_config: dict[str, Any] | None = None,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> tuple[Engine, TimedRunner]:
     config = EngineConfig.from_options(
         model=str(model_dir), load_format="dummy", device="cuda", max_model_len=max_model_len,
         max_num_seqs=max(concurrency, 8), gpu_memory_utilization=0.4,
-        speculative_config=speculative_config,
+        speculative_config=speculative_config, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     runner = TimedRunner(build_runner(config))
     engine = Engine(config, runner)
