@@ -34,6 +34,10 @@ class AttentionSpec:
     block_size: int
     cuda_graphs: bool
     kv_dtype: torch.dtype | None = None  # how K/V are stored; None: as `dtype`
+    # Decode passes of up to this many rows run between kernels launched as programmatic
+    # dependents (`kernels.pdl`; fp8 GEMV rows): a backend whose kernels can be launched that
+    # way does so there. 0: never.
+    dependent_launch_rows: int = 0
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -213,6 +213,7 @@ class TritonAttentionBackend(OutBufferBackend):
                 last_program_combines=self.decode_schedule.last_program_combines,
                 kv_scales=(scales, inverse_scales),
                 unit_scales=kv.scale_values(layer) == (1.0, 1.0),
+                pdl=metadata.seq_lens.shape[0] <= self.spec.dependent_launch_rows,
             )  # fmt: skip
         if plan.prefill_tiles is not None:
             paged_prefill_attention(

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from loopserve.kernels.e4m3 import empty_rows, row_warps, store_quantized
+from loopserve.kernels.pdl import launch_dependents, wait_for_inputs
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # quantized rows: float8 [T, size] and fp32 scales [T]
 
@@ -66,8 +67,11 @@ def silu_times(gate, up, DTYPE: tl.constexpr):
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr, e4m3_ptr, e4m3_scale_ptr, stride_x, stride_out, size, eps,
     QUANTIZE: tl.constexpr,  # also the output rows quantized (float8 + scales)
+    PDL: tl.constexpr,  # launched as a programmatic dependent (`kernels.pdl`)
     BLOCK: tl.constexpr,
 ):  # fmt: skip
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -96,8 +100,11 @@ def _add_norm_kernel(
     eps,
     NORM_UPDATE: tl.constexpr,  # False: a pre-norm layer adds the update as it is
     QUANTIZE: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (`kernels.pdl`)
     BLOCK: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -199,10 +206,10 @@ def _silu_mul_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False, pdl: bool = False
 ) -> tuple[torch.Tensor, Rows | None]:
     """x [T, H] (last dim contiguous) -> ([T, H], with `quantize` its rows quantized as
-    `kernels.e4m3.quantize_rows` would)."""
+    `kernels.e4m3.quantize_rows` would); `pdl`: launched as a programmatic dependent."""
     rows, size = x.shape
     out = torch.empty((rows, size), dtype=x.dtype, device=x.device)
     quantized = empty_rows(rows, size, x.device) if quantize else None
@@ -211,7 +218,7 @@ def rms_norm(
         block = triton.next_power_of_2(size)
         _rms_norm_kernel[(rows,)](
             x, weight, out, e4m3, e4m3_scale, x.stride(0), out.stride(0), size, eps,
-            QUANTIZE=quantize, BLOCK=block,
+            QUANTIZE=quantize, PDL=pdl, BLOCK=block, launch_pdl=pdl,
         )  # fmt: skip
     return out, quantized
 
@@ -223,10 +230,11 @@ def add_norm(
     out_weight: torch.Tensor,
     eps: float,
     quantize: bool = False,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Rows | None]:
     """(residual + norm_u(update), norm_o of that, with `quantize` the latter's rows quantized
     as `kernels.e4m3.quantize_rows` would); all [T, H]. Without `update_weight` the update is
-    added as it is (a pre-norm layer's residual)."""
+    added as it is (a pre-norm layer's residual). `pdl`: launched as a programmatic dependent."""
     rows, size = update.shape
     total = torch.empty((rows, size), dtype=update.dtype, device=update.device)
     normed = torch.empty_like(total)
@@ -236,8 +244,8 @@ def add_norm(
         _add_norm_kernel[(rows,)](
             update, residual, out_weight if update_weight is None else update_weight,
             out_weight, total, normed, e4m3, e4m3_scale, update.stride(0), residual.stride(0),
-            size, eps, NORM_UPDATE=update_weight is not None, QUANTIZE=quantize,
-            BLOCK=triton.next_power_of_2(size),
+            size, eps, NORM_UPDATE=update_weight is not None, QUANTIZE=quantize, PDL=pdl,
+            BLOCK=triton.next_power_of_2(size), launch_pdl=pdl,
         )  # fmt: skip
     return total, normed, quantized
 

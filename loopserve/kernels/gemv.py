@@ -39,6 +39,7 @@ import triton.language as tl
 
 from loopserve.kernels.e4m3 import e4m3_value, row_scales, triton_dtype
 from loopserve.kernels.fused_ops import silu_times
+from loopserve.kernels.pdl import launch_dependents, wait_for_inputs
 from loopserve.kv.storage import FP8
 
 
@@ -71,15 +72,15 @@ def _w_slice(w_rows, up_offset, in_cols, K, start, SWIGLU: tl.constexpr, EVEN_K:
 
 @triton.jit
 def _slice(
-    x_row, inverse, w_rows, up_offset, in_cols, K, start, acc, acc_up,
+    x_row, inverse, w, w_up, K, start, acc, acc_up,
     SWIGLU: tl.constexpr, QUANTIZED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """acc (and acc_up) + x[start : start + BLOCK_K], quantized with the row's `inverse` scale
-    (unless the row is `QUANTIZED` already), times W's [BLOCK_N, BLOCK_K] slice."""
+    (unless the row is `QUANTIZED` already), times W's (and W_up's) [BLOCK_N, BLOCK_K] slice
+    `w` (`w_up`) loaded from there."""
     x = _x_slice(x_row, K, start, EVEN_K, BLOCK_K)
     if not QUANTIZED:
         x = e4m3_value(x, inverse)
-    w, w_up = _w_slice(w_rows, up_offset, in_cols, K, start, SWIGLU, EVEN_K, BLOCK_K)
     acc += w.to(tl.float32) * x[None, :]
     if SWIGLU:
         acc_up += w_up.to(tl.float32) * x[None, :]
@@ -95,23 +96,29 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr,  # W = [W_gate; W_up], N = W's rows / 2: out = silu(x W_gate^T) * x W_up^T
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     UNROLL: tl.constexpr,  # 0, or K // BLOCK_K rounded up: the K loop unrolled (K is constant)
+    PDL: tl.constexpr,  # launched as a programmatic dependent (`kernels.pdl`)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < N
     out = out_ptr + row * stride_out + cols
-    if MASKED:  # noqa: SIM102 (a constexpr guard: no load is compiled without a mask)
+    launch_dependents(PDL)
+    if MASKED:  # a constexpr guard: no load is compiled without a mask
+        wait_for_inputs(PDL)  # the mask was written by an earlier kernel
         if tl.load(want_ptr + row) == 0:  # an unwanted row reads no weight
             tl.store(out, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=in_cols)
             return
     x_row = x_ptr + row * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     up_offset = N.to(tl.int64) * stride_w  # W_up's first row (SWIGLU)
+    # The first (or only) weight slice goes out first: the weights do not change while a step
+    # runs, so under PDL it streams in while the kernel that makes x finishes, and without it
+    # finding the row's scale waits under it instead of before it.
+    w, w_up = _w_slice(w_rows, up_offset, in_cols, K, 0, SWIGLU, EVEN_K, BLOCK_K)
+    if not MASKED:
+        wait_for_inputs(PDL)
     if UNROLL == 1 and not QUANTIZED:
-        # One slice: the weight tile's load goes out first, so finding the row's scale (below)
-        # waits under it instead of before it.
-        w, w_up = _w_slice(w_rows, up_offset, in_cols, K, 0, SWIGLU, EVEN_K, BLOCK_K)
         x = _x_slice(x_row, K, 0, EVEN_K, BLOCK_K)
         x_scale, inverse = row_scales(tl.max(tl.abs(x), axis=0))
         x = e4m3_value(x, inverse)
@@ -135,17 +142,22 @@ def _gemv_kernel(
             x_scale, inverse = row_scales(tl.max(largest, axis=0))
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc, acc_up = _slice(x_row, inverse, w, w_up, K, 0, acc, acc_up, SWIGLU, QUANTIZED,
+                             EVEN_K, BLOCK_K)  # fmt: skip
         # Unrolled, every slice's loads can issue before the first slice's products (bytes in
         # flight are what a GEMV's speed is); the sums keep the same order either way.
         if UNROLL:
-            for step in tl.static_range(UNROLL):
-                acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K,
-                                     step * BLOCK_K, acc, acc_up, SWIGLU, QUANTIZED, EVEN_K,
-                                     BLOCK_K)  # fmt: skip
+            for step in tl.static_range(1, UNROLL):
+                w, w_up = _w_slice(w_rows, up_offset, in_cols, K, step * BLOCK_K, SWIGLU,
+                                   EVEN_K, BLOCK_K)  # fmt: skip
+                acc, acc_up = _slice(x_row, inverse, w, w_up, K, step * BLOCK_K, acc, acc_up,
+                                     SWIGLU, QUANTIZED, EVEN_K, BLOCK_K)  # fmt: skip
         else:
-            for start in range(0, K, BLOCK_K):
-                acc, acc_up = _slice(x_row, inverse, w_rows, up_offset, in_cols, K, start, acc,
-                                     acc_up, SWIGLU, QUANTIZED, EVEN_K, BLOCK_K)  # fmt: skip
+            for start in range(BLOCK_K, K, BLOCK_K):
+                w, w_up = _w_slice(w_rows, up_offset, in_cols, K, start, SWIGLU, EVEN_K,
+                                   BLOCK_K)  # fmt: skip
+                acc, acc_up = _slice(x_row, inverse, w, w_up, K, start, acc, acc_up, SWIGLU,
+                                     QUANTIZED, EVEN_K, BLOCK_K)  # fmt: skip
     # As `kernels.matmul.linear`: the fp32 sums times the row's scale, then W's, rounded to
     # DTYPE, then SiLU·up.
     value = tl.sum(acc, axis=1) * x_scale * tl.load(scale_ptr + cols, mask=in_cols, other=0.0)
@@ -198,6 +210,7 @@ def fp8_gemv(
     tiling: GemvTiling | None = None,  # default `gemv_tiling` of W's shape
     x_scale: torch.Tensor | None = None,  # [M] fp32: fp8 rows' scales (`kernels.e4m3`)
     dtype: torch.dtype | None = None,  # fp8 rows: the dtype they came from (default x's)
+    pdl: bool = False,  # launch as a programmatic dependent (`kernels.pdl`; SM90+)
 ) -> torch.Tensor:
     """`models.quant.fp8_linear` of x, [M, N], each row on its own (see the module docstring),
     x quantized in the kernel unless it comes quantized (fp8 with `x_scale`: the same bits);
@@ -238,7 +251,8 @@ def fp8_gemv(
         x if rows_wanted is None else rows_wanted, columns, depth, x.stride(0),
         weight.stride(0), out.stride(0), QUANTIZED=quantized, DTYPE=triton_dtype(dtype),
         MASKED=rows_wanted is not None, SWIGLU=swiglu, EVEN_K=depth % tile.block_k == 0,
-        UNROLL=slices if slices <= MAX_UNROLL else 0, BLOCK_N=tile.block_n,
+        UNROLL=slices if slices <= MAX_UNROLL else 0, PDL=pdl, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out

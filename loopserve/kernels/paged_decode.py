@@ -41,6 +41,7 @@ from loopserve.kernels.decode_row import (
 )
 from loopserve.kernels.decode_tiles import combine_partials, dot_tiles, lane_tiles
 from loopserve.kernels.kv_write import layer_scales, scale_pair
+from loopserve.kernels.pdl import launch_dependents, wait_for_inputs
 from loopserve.kv.metadata import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
@@ -127,7 +128,10 @@ def _decode_kernel(
     LAST_COMBINES: tl.constexpr,  # the last of a row's programs to finish combines it
     PARTIALS_CACHE: tl.constexpr,  # ".cg" with LAST_COMBINES (other programs' partials)
     UNIT_SCALES: tl.constexpr,  # the layer's K and V scales are both 1 (fp8: widen only)
+    PDL: tl.constexpr,  # launched as a programmatic dependent (`kernels.pdl`)
 ):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     split = tl.program_id(2)
     programs_per_kv_head: tl.constexpr = (GROUP + HEADS - 1) // HEADS
@@ -279,6 +283,7 @@ def paged_decode_attention(
     last_program_combines: bool = False,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     unit_scales: bool = False,
+    pdl: bool = False,
 ) -> None:
     """Attention of every one-token row over its pages into `out`; other rows are left alone.
 
@@ -291,7 +296,8 @@ def paged_decode_attention(
     `kv_scales`: a float8 cache's ([2] scales, [2] reciprocals) of the layer's K and V
     (`KVStorage.scales`, `inverse_scales`; None: 1); `unit_scales`: the caller knows both are 1
     (`KVStorage.scale_values`), so the kernel reads none (the same bits, less work: implied by
-    `kv_scales` None). Reads only device tensors of `metadata`
+    `kv_scales` None); `pdl`: the decode kernel is launched as a programmatic dependent
+    (`kernels.pdl`; SM90+). Reads only device tensors of `metadata`
     (never its host lists), so it can be graph-captured.
     """
     if new_kv is not None and metadata.max_query_len != 1:
@@ -309,7 +315,7 @@ def paged_decode_attention(
     last_combines = last_program_combines and num_split_programs > 1
     _launch_decode(
         q, key_cache, value_cache, metadata, out, workspace, scale, num_split_programs, tiling,
-        new_kv, rope, last_combines, kv_scales, unit_scales or kv_scales is None,
+        new_kv, rope, last_combines, kv_scales, unit_scales or kv_scales is None, pdl,
     )  # fmt: skip
     if num_split_programs > 1 and not last_combines:
         _launch_combine(out, metadata, workspace, tiling)
@@ -330,6 +336,7 @@ def _launch_decode(
     last_combines: bool,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     unit_scales: bool,
+    pdl: bool,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     scales, inverse_scales = kv_scales if kv_scales is not None else (None, None)
@@ -379,8 +386,10 @@ def _launch_decode(
         LAST_COMBINES=last_combines,
         PARTIALS_CACHE=".cg" if last_combines else "",
         UNIT_SCALES=unit_scales,
+        PDL=pdl,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -217,19 +217,35 @@ class TritonOps(TorchOps):
     # projection's output, never tagged).
     E4M3_ROWS = "loopserve_e4m3_rows"
 
-    def __init__(self, batch_invariant: bool = False, quantize_inputs: bool = False) -> None:
+    def __init__(
+        self,
+        batch_invariant: bool = False,
+        quantize_inputs: bool = False,
+        dependent_launches: bool = False,
+    ) -> None:
         from loopserve.kernels import fused_ops
 
         self._kernels = fused_ops
         self.batch_invariant = batch_invariant
         self.quantize_inputs = quantize_inputs
+        self.dependent_launches = dependent_launches
+
+    def dependent(self, x: torch.Tensor) -> bool:
+        """Whether the kernel of an op on rows `x` is launched as a programmatic dependent
+        (`kernels.pdl`): with `dependent_launches` (fp8 weights on SM90+), where fp8 rows go
+        through the GEMV, so that a layer's kernels are all ours (`dependent_launch_rows` of the
+        attention spec says the same to the decode kernel)."""
+        invariant = self.batch_invariant or x.dtype == torch.float32
+        return self.dependent_launches and not invariant and x.shape[0] <= self.GEMV_ROWS
 
     def _tag(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if rows is not None:
             setattr(x, self.E4M3_ROWS, rows)
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        out, rows = self._kernels.rms_norm(x, norm.weight, norm.eps, self.quantize_inputs)
+        out, rows = self._kernels.rms_norm(
+            x, norm.weight, norm.eps, self.quantize_inputs, self.dependent(x)
+        )
         self._tag(out, rows)
         return out
 
@@ -244,8 +260,9 @@ class TritonOps(TorchOps):
             raise ValueError("fused add_norm needs both norms to share eps")
         update_weight = None if update_norm is None else update_norm.weight
         total, normed, rows = self._kernels.add_norm(
-            update, residual, update_weight, out_norm.weight, out_norm.eps, self.quantize_inputs
-        )
+            update, residual, update_weight, out_norm.weight, out_norm.eps, self.quantize_inputs,
+            self.dependent(update),
+        )  # fmt: skip
         self._tag(normed, rows)
         return total, normed
 
@@ -276,11 +293,12 @@ class TritonOps(TorchOps):
         if not invariant and rows <= self.GEMV_ROWS:
             from loopserve.kernels.gemv import fp8_gemv
 
+            pdl = self.dependent(x)
             if quantized is None:  # the GEMV quantizes the row itself
-                return fp8_gemv(x, layer.weight, scale, rows_wanted, swiglu=swiglu)
+                return fp8_gemv(x, layer.weight, scale, rows_wanted, swiglu=swiglu, pdl=pdl)
             x8, x_scale = quantized
             return fp8_gemv(x8, layer.weight, scale, rows_wanted, swiglu=swiglu,
-                            x_scale=x_scale, dtype=x.dtype)  # fmt: skip
+                            x_scale=x_scale, dtype=x.dtype, pdl=pdl)  # fmt: skip
         from loopserve.kernels.e4m3 import quantize_rows
 
         x8, x_scale = quantized or quantize_rows(x)

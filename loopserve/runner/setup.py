@@ -117,9 +117,13 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> L
         quantized = quantize_model(model)
         logger.info("fp8 weights: %d projections quantized at load", quantized)
     if fused:
+        from loopserve.kernels.pdl import pdl_supported
+
+        fp8 = quantization_of(model) == "fp8"
         model.ops = TritonOps(
             batch_invariant=config.batch_invariant,
-            quantize_inputs=quantization_of(model) == "fp8",
+            quantize_inputs=fp8,
+            dependent_launches=fp8 and pdl_supported(device),
         )
     invariant = " with batch-invariant matmuls" if config.batch_invariant else ""
     logger.info("layer ops: %s%s", type(model.ops).__name__, invariant)
@@ -290,4 +294,9 @@ def _attention_spec(
         block_size=config.scheduler.block_size,
         cuda_graphs=device.type == "cuda" and config.cuda_graphs,
         kv_dtype=kv_dtype,
+        dependent_launch_rows=TritonOps.GEMV_ROWS if _dependent_launches(model) else 0,
     )
+
+
+def _dependent_launches(model: LoopedForCausalLM) -> bool:
+    return isinstance(model.ops, TritonOps) and model.ops.dependent_launches

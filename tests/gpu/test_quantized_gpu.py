@@ -2,7 +2,8 @@
 (`models.ops.TritonOps`) and K/V stored as e4m3, with scale 1 and with calculated per-layer
 scales. In fp32 the engine with an fp8 cache equals the serial reference that keeps K/V the same
 way; in bf16 graphs equal eager (fp8 weights through the GEMV at few rows and cuBLAS's fp8 matmul
-at many), and with `batch_invariant` a request alone equals itself inside a batch of 32.
+at many), and with `batch_invariant` a request alone equals itself inside a batch of 32;
+launching a layer's kernels as programmatic dependents changes no result.
 
 Run on a GPU machine with `pytest -m gpu tests/gpu`.
 """
@@ -83,3 +84,24 @@ def test_bf16_graphs_equal_eager_and_a_request_alone_its_batch(
     for index in (0, 7, 31):
         alone = run(single, [batch[index]], [params[index]])
         assert alone[0] == together[index], f"request {index} changed with its batch"
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_fp8_decode_launched_as_dependents_equals_plain_launches(
+    checkpoint: Path, cuda_graphs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp8 weights at one and two rows: the norms, the GEMVs and the decode kernel launched as
+    programmatic dependents (`kernels.pdl`, the default on SM90+), the GEMV loading its first
+    weight tile before it waits, give the same tokens and exit depths as plain launches."""
+    from loopserve.kernels import pdl
+
+    assert pdl.pdl_supported("cuda"), "the GPU tests run on SM90+"
+    batch, params = prompts(3, seed=2), mixed_params(3, 0.6)
+    options = {"quantization": "fp8", "cuda_graphs": cuda_graphs}
+    dependent = bf16_engine(checkpoint, **options)
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: False)
+    plain = bf16_engine(checkpoint, **options)
+    for engine_batch in ([0], [1], [1, 2]):  # one row, then two
+        rows = [batch[i] for i in engine_batch]
+        chosen = [params[i] for i in engine_batch]
+        assert run(dependent, rows, chosen) == run(plain, rows, chosen)

@@ -57,6 +57,41 @@ def test_norms(dtype: torch.dtype, size: int, device: torch.device) -> None:
     assert not torch.equal(fused[0], TritonOps().add_norm(update, x, first, second)[0])
 
 
+def test_dependent_launches_only_where_the_gemv_runs() -> None:
+    """`TritonOps.dependent`: programmatic dependent launches for fp8 rows through the GEMV
+    (up to `GEMV_ROWS` 16-bit rows, not `batch_invariant`), only when set up for them."""
+    ops = TritonOps(quantize_inputs=True, dependent_launches=True)
+    rows = [torch.zeros(n, 8, dtype=torch.bfloat16) for n in (1, ops.GEMV_ROWS, ops.GEMV_ROWS + 1)]
+    assert [ops.dependent(x) for x in rows] == [True, True, False]
+    assert not ops.dependent(torch.zeros(1, 8))  # fp32 rows keep the invariant matmul
+    invariant = TritonOps(True, quantize_inputs=True, dependent_launches=True)
+    assert not invariant.dependent(rows[0])
+    assert not TritonOps(quantize_inputs=True).dependent(rows[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_launched_as_dependents_give_the_same_bits(
+    dtype: torch.dtype, device: torch.device
+) -> None:
+    """The norms launched as programmatic dependents (`kernels.pdl`) right after the kernels
+    that write their inputs: the bits (and quantized rows) of plain launches."""
+    from loopserve.kernels import fused_ops
+
+    x = (3 * torch.randn(2, 2048)).to(device=device, dtype=dtype)
+    update = torch.randn(2, 2048).to(device=device, dtype=dtype)
+    first, second = norm(2048, dtype, device), norm(2048, dtype, device)
+    for pdl in (False, True):
+        made = x * 2  # written by the kernel just before
+        got = fused_ops.rms_norm(made, first.weight, first.eps, True, pdl=pdl)
+        added = fused_ops.add_norm(update * 2, made, first.weight, second.weight, 1e-6, True, pdl)
+        if not pdl:
+            plain, plain_added = got, added
+    assert torch.equal(got[0], plain[0]) and torch.equal(added[1], plain_added[1])
+    assert got[1] is not None and plain[1] is not None
+    assert torch.equal(got[1][0].view(torch.uint8), plain[1][0].view(torch.uint8))
+
+
 @pytest.mark.parametrize("head_dim", [16, 40])  # 40: half of it is no power of two
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place_on_strided_views(
