@@ -62,10 +62,14 @@ class Census:
 
 
 def decode_step_census(
-    layers: int, rows: int, speculative_config: dict[str, Any] | None = None
+    layers: int,
+    rows: int,
+    speculative_config: dict[str, Any] | None = None,
+    quantization: str = "none",
 ) -> Census:
     """Launches of one decode step (one loop of `rows` rows) of a random model shaped like the
-    built-in one but with `layers` layers. Needs TRITON_INTERPRET=1 set before the kernel modules
+    built-in one but with `layers` layers (its projections fp8 with `quantization` "fp8", as
+    the runner quantizes them at load). Needs TRITON_INTERPRET=1 set before the kernel modules
     are first imported (`main` sets it)."""
     import torch
 
@@ -75,13 +79,16 @@ def decode_step_census(
     from loopserve.models.loader import dummy_model
     from loopserve.models.ops import TritonOps
     from loopserve.models.ouro_config import OuroConfig
+    from loopserve.models.quant import quantize_model
     from loopserve.runner.setup import build_runner
     from loopserve.sampling_params import SamplingParams
 
     base = OuroConfig.from_file(resolve_model_dir(None) / "config.json")
     model = dummy_model(replace(base, num_hidden_layers=layers), torch.bfloat16, "cpu")
     model.fuse_projections()
-    model.ops = TritonOps()  # the layer ops of a CUDA device
+    if quantization == "fp8":
+        quantize_model(model)
+    model.ops = TritonOps(quantize_inputs=quantization == "fp8")  # a CUDA device's layer ops
     config = EngineConfig.from_options(
         device="cpu", dtype="bfloat16", attention_backend="triton", cuda_graphs=False,
         async_scheduling=False, max_num_seqs=8, speculative_config=speculative_config,
@@ -154,11 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--speculative-config", type=json.loads, default=None, help="JSON: count a lanes step"
     )
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
     args = parser.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
     speculative = args.speculative_config
-    small = decode_step_census(1, args.rows, speculative)
-    large = decode_step_census(2, args.rows, speculative)
+    small = decode_step_census(1, args.rows, speculative, args.quantization)
+    large = decode_step_census(2, args.rows, speculative, args.quantization)
     layer = per_layer(small, large)
     fixed = small.launches - layer
     ouro = fixed + 24 * layer
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "bench": "launch_census",
         "speculative_config": speculative,
+        "quantization": args.quantization,
         "per_layer": layer,
         "per_step": fixed,
         "ouro_24_layers": ouro,

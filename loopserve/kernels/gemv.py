@@ -12,7 +12,9 @@ programs that read one weight block run together and the weight comes from DRAM 
 hit the L2). A program first finds its row's largest |x| (one pass over the row, which the L2
 holds), which gives the row's activation scale (`kernels.e4m3.row_scales`), so x is quantized in
 registers with no launch of its own; rows that come quantized (fp8 with their scales, from the
-kernel that made them: `kernels.fused_ops.add_norm`) skip that pass. It then walks K in BLOCK_K
+kernel that made them: `kernels.fused_ops.add_norm`) skip that pass. The first weight slice is
+loaded before any of that: launched as a programmatic dependent (`pdl`, `kernels.pdl`), the
+program waits for the kernel that makes x only after that load went out. It then walks K in BLOCK_K
 slices, widening each [BLOCK_N, BLOCK_K] fp8 tile to fp32 and adding the quantized x times it
 into an fp32 [BLOCK_N, BLOCK_K] accumulator (no reduction inside the loop), then folds the
 BLOCK_K lanes in `tl.sum`'s fixed tree. A row's bits therefore depend on the tiling only, which

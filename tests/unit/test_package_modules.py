@@ -63,7 +63,7 @@ MODULES: dict[str, set[str]] = {
     "kernels": {
         "__init__", "availability", "decode_plan", "decode_row", "decode_state", "decode_tiles",
         "e4m3", "fused_ops", "gemv", "kv_copy", "kv_write", "lanes_state", "matmul", "noise",
-        "paged_decode", "paged_prefill", "sampling",
+        "paged_decode", "paged_prefill", "pdl", "sampling",
     },
     "kv": {"__init__", "layout", "metadata", "pages", "storage", "transfer"},
     "models": {
