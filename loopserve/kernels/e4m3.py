@@ -1,8 +1,7 @@
 """float8 e4m3 rounding in Triton, as `kv.storage.to_cache_dtype` and `models.quant` round in
 torch: the fp8 KV cache's values (`kernels.kv_write.cache_value`) and fp8 activations.
 
-Owns: `e4m3_widen` (e4m3 bits to their fp32 value without a conversion instruction),
-`e4m3_value` (an fp32 value times a reciprocal scale, saturated at +-448, rounded to the
+Owns: `e4m3_value` (an fp32 value times a reciprocal scale, saturated at +-448, rounded to the
 nearest e4m3 value, ties to even, still in fp32), `row_scales` (a row's activation scale and its
 reciprocal from its largest magnitude), `store_quantized` (one whole row quantized and stored: what
 `quantize_rows` runs, and the kernels that make a projection's input quantize it on the way out,
@@ -41,18 +40,6 @@ def e4m3_value(x, inverse_scale):
     """fp32 `x` as e4m3 stores it (in fp32): times `inverse_scale` in fp32, saturated at +-448,
     rounded to nearest, ties to even."""
     return e4m3_grid(tl.clamp(x * inverse_scale, -448.0, 448.0), x)
-
-
-@triton.jit
-def e4m3_widen(x):
-    """float8 e4m3 `x` as fp32, exactly (not NaN: a cache or a row holds finite values), with
-    integer and fp32 arithmetic only. The e4m3 bits, moved to fp32's exponent and mantissa
-    fields, are the value times 2**-120 (its subnormals become fp32 subnormals), which one exact
-    multiply restores. Triton's own conversion goes through fp16 with two conversion
-    instructions a value, which run at a sixteenth of the FMA rate on Hopper."""
-    bits = x.to(tl.uint8, bitcast=True).to(tl.int32)
-    moved = ((bits & 0x80) << 24) | ((bits & 0x7F) << 20)
-    return moved.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.kernels.e4m3 import e4m3_value, e4m3_widen
+from loopserve.kernels.e4m3 import e4m3_value
 from loopserve.kv.storage import FP8
 
 
@@ -33,7 +33,7 @@ def read_value(x, scale, dtype: tl.constexpr):
     """A tile loaded from the cache, as `kv.storage.from_cache` reads it into `dtype`: a float8
     tile times the layer's fp32 `scale` in fp32, then `dtype`; other caches are only converted."""
     if x.dtype == tl.float8e4nv:
-        x = e4m3_widen(x) * scale  # exact, then one rounding: the product's in fp32
+        x = x.to(tl.float32) * scale
     return x.to(dtype)
 
 
@@ -43,7 +43,7 @@ def read_wide(x, scale, dtype: tl.constexpr, UNIT_SCALE: tl.constexpr):
     knows) a float8 tile is only widened: times 1 and rounded to a 16- or 32-bit float, an e4m3
     value comes back unchanged, so skipping both gives the same bits for less work."""
     if x.dtype == tl.float8e4nv and UNIT_SCALE:
-        return e4m3_widen(x)
+        return x.to(tl.float32)
     return read_value(x, scale, dtype).to(tl.float32)
 
 

@@ -80,7 +80,7 @@ def test_cache_values_read_as_torch_reads_them(
     dtype: torch.dtype, scale: float, device: torch.device
 ) -> None:
     """Every finite e4m3 value (subnormals, both zeros, +-448) read from the cache with a layer
-    scale: `kv.storage.from_cache`'s bits (the kernels widen e4m3 with integer arithmetic)."""
+    scale: `kv.storage.from_cache`'s bits."""
     if device.type == "cpu" and dtype == torch.bfloat16 and scale in (0.3, 7.3e-5):
         pytest.skip("triton 3.9's interpreter truncates fp32 to bf16 where torch rounds to nearest")
     finite = [b for b in range(256) if b & 0x7F != 0x7F]
