@@ -13,8 +13,13 @@
 #   both      A B B A, bf16 vs fp8 weights + fp8 KV, 512/128 fixed depth, C = 128
 #   kv        A B B A, bf16 vs fp8 KV, 8192/256 fixed depth, C = 8
 #   capacity  1024/512 at C = 48 with reserved KV on a small pool, bf16 vs fp8 KV: how many run
+#   budget    python -m benchmarks.step_budget --concurrency 1 with fp8 weights, then bf16: the
+#             per-kernel time of one decode loop ($OUT/budget.jsonl); not in the default set
+#   table     python -m benchmarks.attention_table --kv-cache-dtype fp8 (Triton; decode 8 and 128
+#             rows x 8192, an 8,192-token prefill) ($OUT/table-fp8.md); not in the default set
 # Run from the repository root:  OUT=$OUT PARTS="matmul tests" bash scripts/gpu_fp8.sh
-# Budget: matmul ~2 min, fp8tests ~3, tests ~5, weights ~2.5, both ~1.5, kv ~3, capacity ~1.5.
+# Budget: matmul ~2 min, fp8tests ~3, tests ~5, weights ~2.5, both ~1.5, kv ~3, capacity ~1.5,
+# budget ~1.5 (not timed yet), table ~0.3.
 set -uo pipefail
 
 OUT="${OUT:-$PWD/fp8-out}"
@@ -77,5 +82,19 @@ if part capacity; then
     say "capacity $dtype rc=$?"
     grep "1024/512" "$OUT/capacity-$dtype.md" | tee -a "$LOG"
   done
+fi
+if part budget; then
+  for quantization in fp8 none; do
+    timeout 150 "$PYTHON" -m benchmarks.step_budget --concurrency 1 --quantization $quantization \
+      --out "$OUT/budget.jsonl" >"$OUT/budget-$quantization.log" 2>&1
+    say "budget $quantization rc=$?"
+  done
+fi
+if part table; then
+  timeout 60 "$PYTHON" -m benchmarks.attention_table --kv-cache-dtype fp8 --backends triton \
+    --rows 8,128 --contexts 8192 --prefill 1x8192 --markdown "$OUT/table-fp8.md" \
+    >"$OUT/table-fp8.log" 2>&1
+  say "table rc=$?"
+  cat "$OUT/table-fp8.md" 2>/dev/null | tee -a "$LOG"
 fi
 say "done"
