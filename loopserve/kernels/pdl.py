@@ -39,9 +39,15 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 def pdl_supported(device: torch.device | str) -> bool:
-    """Whether kernels on `device` can be launched as programmatic dependents (CUDA, SM90+)."""
+    """Whether kernels on `device` can be launched as programmatic dependents: CUDA, SM90+, and
+    a triton that has grid dependency control (3.3 on; `launch_pdl` is ignored before it)."""
     device = torch.device(device)
-    return device.type == "cuda" and _major(device.index) >= 9
+    return device.type == "cuda" and _triton_has_gdc() and _major(device.index) >= 9
+
+
+def _triton_has_gdc() -> bool:
+    cuda = getattr(tl.extra, "cuda", None)
+    return cuda is not None and hasattr(cuda, "gdc_wait")
 
 
 @functools.cache

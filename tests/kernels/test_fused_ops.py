@@ -389,3 +389,10 @@ def test_huginn_stage_layers_compute_the_rows_asked_for(device: torch.device) ->
     torch.testing.assert_close(fused_first[rows], first[rows], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_logits[rows], logits[rows], rtol=1e-4, atol=1e-4)
     assert not fused_logits[~rows].any()
+
+
+def test_dependent_launches_need_a_cuda_gpu_of_sm90_or_later() -> None:
+    from loopserve.kernels.pdl import pdl_supported
+
+    assert not pdl_supported("cpu")
+    assert not pdl_supported(torch.device("cpu"))
