@@ -126,8 +126,8 @@ def decode_bytes(rows: int, context: int, shape: KernelShape) -> int:
     element = torch.empty((), dtype=shape.dtype).element_size()
     stored = torch.empty((), dtype=shape.cache_dtype).element_size()
     kv_read = 2 * rows * context * shape.num_kv_heads * shape.head_dim * stored
-    heads = shape.num_heads + shape.num_kv_heads
-    return kv_read + rows * shape.head_dim * (2 * shape.num_heads * element + heads * stored)
+    query_and_out = 2 * shape.num_heads * element
+    return kv_read + rows * shape.head_dim * (query_and_out + 2 * shape.num_kv_heads * stored)
 
 
 @dataclass(slots=True)

@@ -110,6 +110,9 @@ def test_tiny_sweep_runs_every_stage(device: torch.device, kv_dtype: torch.dtype
     stored = 1 if kv_dtype == FP8 else 2  # the smoke shape's model dtype is bf16
     moved = 2 * 24 * 2 * 32 * stored + 32 * (2 * 2 * 2 + 4 * stored)
     assert sweep_module.decode_bytes(1, 24, shape) == moved
+    grouped = dataclasses.replace(shape, num_heads=4)  # 4 query heads share 2 KV heads
+    stored_heads = 2 * 24 * 2 * 32 * stored + 32 * 2 * 2 * stored  # K/V read; new K/V written
+    assert sweep_module.decode_bytes(1, 24, grouped) == stored_heads + 32 * 2 * 4 * 2  # q, out
 
 
 def test_default_schedule_at_ouro_shape() -> None:

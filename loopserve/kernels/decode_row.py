@@ -2,7 +2,8 @@
 shared among programs, and the new token's K/V (and RoPE) before the row is read.
 
 Owns: the partition rule's arithmetic on the device (`decode_plan.py` states it), the split of a
-row's partitions among its programs, the fused K/V write and the rotated-query scratch. Must not:
+row's partitions among its programs, the fused K/V write, the rotated-query scratch and which
+program folds a row (`finishes_row`: the arrival count). Must not:
 launch anything (kernels/paged_decode.py's kernels call these).
 """
 
@@ -110,3 +111,27 @@ def rotated_query(
     rotated = rotate_half(q_ptr + q_rows[:, None], cos_ptr, sin_ptr, dims, mask, HEAD_DIM // 2)
     tl.store(rotated_ptr + q_rows[:, None] + dims, rotated, mask=mask)
     tl.debug_barrier()
+
+
+@triton.jit
+def finishes_row(
+    arrivals_ptr, split, num_split_programs, num_parts, COMBINE: tl.constexpr,
+    LAST_COMBINES: tl.constexpr,
+):  # fmt: skip
+    """Whether this program folds the row's partials (the same fold whichever program does).
+
+    One program per row: it does. LAST_COMBINES: the last of the row's programs to arrive (an
+    acq_rel atomic per program after a CTA barrier; the last one reads the others' partials
+    past L1 and resets the count for the next launch). Otherwise split 0 finishes rows of one
+    partition and the combine kernel the rest.
+    """
+    if COMBINE:
+        return split == 0
+    if LAST_COMBINES:
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+        last = arrived == num_split_programs - 1
+        if last:
+            tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+        return last
+    return (split == 0) & (num_parts <= 1)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from loopserve.kernels.e4m3 import empty_rows, row_warps, store_quantized
-from loopserve.kernels.pdl import launch_dependents, wait_for_inputs
+from loopserve.kernels.pdl import launch_dependents, launch_options, wait_for_inputs
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # quantized rows: float8 [T, size] and fp32 scales [T]
 
@@ -218,7 +218,7 @@ def rms_norm(
         block = triton.next_power_of_2(size)
         _rms_norm_kernel[(rows,)](
             x, weight, out, e4m3, e4m3_scale, x.stride(0), out.stride(0), size, eps,
-            QUANTIZE=quantize, PDL=pdl, BLOCK=block, launch_pdl=pdl,
+            QUANTIZE=quantize, PDL=pdl, BLOCK=block, **launch_options(pdl),
         )  # fmt: skip
     return out, quantized
 
@@ -245,7 +245,7 @@ def add_norm(
             update, residual, out_weight if update_weight is None else update_weight,
             out_weight, total, normed, e4m3, e4m3_scale, update.stride(0), residual.stride(0),
             size, eps, NORM_UPDATE=update_weight is not None, QUANTIZE=quantize, PDL=pdl,
-            BLOCK=triton.next_power_of_2(size), launch_pdl=pdl,
+            BLOCK=triton.next_power_of_2(size), **launch_options(pdl),
         )  # fmt: skip
     return total, normed, quantized
 

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from loopserve.kernels.e4m3 import e4m3_value, row_scales, triton_dtype
 from loopserve.kernels.fused_ops import silu_times
-from loopserve.kernels.pdl import launch_dependents, wait_for_inputs
+from loopserve.kernels.pdl import launch_dependents, launch_options, wait_for_inputs
 from loopserve.kv.storage import FP8
 
 
@@ -255,6 +255,6 @@ def fp8_gemv(
         MASKED=rows_wanted is not None, SWIGLU=swiglu, EVEN_K=depth % tile.block_k == 0,
         UNROLL=slices if slices <= MAX_UNROLL else 0, PDL=pdl, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        launch_pdl=pdl,
+        **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -34,6 +34,7 @@ import triton.language as tl
 from loopserve.kernels.decode_plan import DecodeTiling
 from loopserve.kernels.decode_row import (
     decode_row,
+    finishes_row,
     partition_doublings,
     program_tiles,
     rotated_query,
@@ -41,7 +42,7 @@ from loopserve.kernels.decode_row import (
 )
 from loopserve.kernels.decode_tiles import combine_partials, dot_tiles, lane_tiles
 from loopserve.kernels.kv_write import layer_scales, scale_pair
-from loopserve.kernels.pdl import launch_dependents, wait_for_inputs
+from loopserve.kernels.pdl import launch_dependents, launch_options, wait_for_inputs
 from loopserve.kv.metadata import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
@@ -184,7 +185,7 @@ def _decode_kernel(
             split, num_split_programs, num_tiles, tail, tile_shift, stride_cache_page,
             stride_cache_offset, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, UNIT_SCALES,
         )  # fmt: skip
-    finish = _finishes_row(
+    finish = finishes_row(
         arrivals_ptr + row.to(tl.int64) * stride_arrivals_row + tl.program_id(1), split,
         num_split_programs, num_parts, COMBINE, LAST_COMBINES,
     )  # fmt: skip
@@ -199,30 +200,6 @@ def _decode_kernel(
         mask = (in_group < stored_heads)[:, None] & (dims < HEAD_DIM)[None, :]
         out_offsets = token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _finishes_row(
-    arrivals_ptr, split, num_split_programs, num_parts, COMBINE: tl.constexpr,
-    LAST_COMBINES: tl.constexpr,
-):  # fmt: skip
-    """Whether this program folds the row's partials (the same fold whichever program does).
-
-    One program per row: it does. LAST_COMBINES: the last of the row's programs to arrive (an
-    acq_rel atomic per program after a CTA barrier; the last one reads the others' partials
-    past L1 and resets the count for the next launch). Otherwise split 0 finishes rows of one
-    partition and the combine kernel the rest.
-    """
-    if COMBINE:
-        return split == 0
-    if LAST_COMBINES:
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-        last = arrived == num_split_programs - 1
-        if last:
-            tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
-        return last
-    return (split == 0) & (num_parts <= 1)
 
 
 @triton.jit
@@ -295,9 +272,9 @@ def paged_decode_attention(
     shared by several programs, the last one to finish folds the row (no combine launch).
     `kv_scales`: a float8 cache's ([2] scales, [2] reciprocals) of the layer's K and V
     (`KVStorage.scales`, `inverse_scales`; None: 1); `unit_scales`: the caller knows both are 1
-    (`KVStorage.scale_values`), so the kernel reads none (the same bits, less work: implied by
-    `kv_scales` None); `pdl`: the decode kernel is launched as a programmatic dependent
-    (`kernels.pdl`; SM90+). Reads only device tensors of `metadata`
+    (`KVStorage.scale_values`), so the lanes path uses the e4m3 values as they are (the same
+    bits, less work; implied by `kv_scales` None); `pdl`: launched as a programmatic dependent
+    (`kernels.pdl`). Reads only device tensors of `metadata`
     (never its host lists), so it can be graph-captured.
     """
     if new_kv is not None and metadata.max_query_len != 1:
@@ -389,7 +366,7 @@ def _launch_decode(
         PDL=pdl,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
-        launch_pdl=pdl,
+        **launch_options(pdl),
     )  # fmt: skip
 
 

@@ -40,9 +40,15 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 def pdl_supported(device: torch.device | str) -> bool:
     """Whether kernels on `device` can be launched as programmatic dependents: CUDA, SM90+, and
-    a triton that has grid dependency control (3.3 on; `launch_pdl` is ignored before it)."""
+    a triton that has grid dependency control (`gdc_wait` and the `launch_pdl` option came
+    together; older triton refuses the option, so `launch_options` passes it only when set)."""
     device = torch.device(device)
     return device.type == "cuda" and _triton_has_gdc() and _major(device.index) >= 9
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch keyword of a programmatic dependent, or none (what every triton accepts)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def _triton_has_gdc() -> bool:

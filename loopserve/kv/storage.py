@@ -137,7 +137,9 @@ class KVStorage:
         self._host_scales: list[tuple[float, float]] = [(1.0, 1.0)] * num_layers
 
     def set_scales(self, scales: KVScales) -> None:
-        """Take a float8 cache's per-layer scales (before any K/V are written)."""
+        """Take a float8 cache's per-layer scales (before any K/V are written, and before any
+        CUDA graph is captured: the decode kernel is specialised on whether a layer's scales
+        are 1, from `scale_values`)."""
         if self.cache.dtype != FP8:
             raise ValueError(f"KV scales apply to an fp8 cache only, not to {self.cache.dtype}")
         if scales.scale.shape != self.scales.shape:

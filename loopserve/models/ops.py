@@ -230,13 +230,17 @@ class TritonOps(TorchOps):
         self.quantize_inputs = quantize_inputs
         self.dependent_launches = dependent_launches
 
+    def dependent_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many rows of `dtype` a layer's kernels are launched as programmatic
+        dependents (`kernels.pdl`): with `dependent_launches` (fp8 weights on SM90+), where fp8
+        rows go through the GEMV, so that a layer's kernels are all ours; 0: none. The attention
+        spec's `dependent_launch_rows` passes the same to the decode kernel."""
+        invariant = self.batch_invariant or dtype == torch.float32
+        return self.GEMV_ROWS if self.dependent_launches and not invariant else 0
+
     def dependent(self, x: torch.Tensor) -> bool:
-        """Whether the kernel of an op on rows `x` is launched as a programmatic dependent
-        (`kernels.pdl`): with `dependent_launches` (fp8 weights on SM90+), where fp8 rows go
-        through the GEMV, so that a layer's kernels are all ours (`dependent_launch_rows` of the
-        attention spec says the same to the decode kernel)."""
-        invariant = self.batch_invariant or x.dtype == torch.float32
-        return self.dependent_launches and not invariant and x.shape[0] <= self.GEMV_ROWS
+        """Whether the kernel of an op on rows `x` is launched as a programmatic dependent."""
+        return x.shape[0] <= self.dependent_rows(x.dtype)
 
     def _tag(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if rows is not None:

@@ -294,9 +294,7 @@ def _attention_spec(
         block_size=config.scheduler.block_size,
         cuda_graphs=device.type == "cuda" and config.cuda_graphs,
         kv_dtype=kv_dtype,
-        dependent_launch_rows=TritonOps.GEMV_ROWS if _dependent_launches(model) else 0,
+        dependent_launch_rows=(
+            model.ops.dependent_rows(model.dtype) if isinstance(model.ops, TritonOps) else 0
+        ),
     )
-
-
-def _dependent_launches(model: LoopedForCausalLM) -> bool:
-    return isinstance(model.ops, TritonOps) and model.ops.dependent_launches

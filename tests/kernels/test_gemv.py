@@ -149,19 +149,25 @@ def test_ouro_shapes_under_every_candidate_tiling(device: torch.device, shape: s
 @pytest.mark.parametrize("tiling", TILINGS)
 def test_launched_as_a_dependent_the_same_bits(device: torch.device, tiling: GemvTiling) -> None:
     """`pdl` (a programmatic dependent: the first weight tile loads before the kernel waits for
-    its inputs, `kernels.pdl`) after a kernel that writes x: the bits of a plain launch, with
-    row masks, SiLU·up and rows that come quantized."""
+    its inputs, `kernels.pdl`) launched right after the kernels that write its x and its row
+    mask: the bits of plain launches, with row masks, SiLU·up and rows that come quantized."""
     from loopserve.kernels.fused_ops import rms_norm
 
     x, weight, scale = _fp8_operands(3, 300, 2 * 24, torch.bfloat16, device)
-    wanted = torch.tensor([True, False, True], device=device)
+    ones = torch.ones(300, device=device)
+    normed, _ = rms_norm(x, ones, 1e-6)
     for swiglu in (False, True):
-        for mask in (None, wanted):
-            normed, rows = rms_norm(x, torch.ones(300, device=device), 1e-6, True, pdl=True)
-            assert rows is not None
-            plain = fp8_gemv(normed, weight, scale, mask, swiglu=swiglu, tiling=tiling)
-            dependent = fp8_gemv(normed, weight, scale, mask, swiglu=swiglu, tiling=tiling,
-                                 pdl=True)  # fmt: skip
-            made = fp8_gemv(rows[0], weight, scale, mask, swiglu=swiglu, tiling=tiling,
-                            x_scale=rows[1], dtype=normed.dtype, pdl=True)  # fmt: skip
-            assert torch.equal(dependent, plain) and torch.equal(made, plain)
+        for masked in (False, True):
+            wanted = torch.tensor([True, False, True], device=device) if masked else None
+            plain = fp8_gemv(normed, weight, scale, wanted, swiglu=swiglu, tiling=tiling)
+            for made in (False, True):
+                # x (and the mask) written by the kernels just before the dependent launch
+                again, rows = rms_norm(x, ones, 1e-6, quantize=made, pdl=True)
+                mask = wanted.clone() if wanted is not None else None
+                if rows is None:
+                    got = fp8_gemv(again, weight, scale, mask, swiglu=swiglu, tiling=tiling,
+                                   pdl=True)  # fmt: skip
+                else:
+                    got = fp8_gemv(rows[0], weight, scale, mask, swiglu=swiglu, tiling=tiling,
+                                   x_scale=rows[1], dtype=again.dtype, pdl=True)  # fmt: skip
+                assert torch.equal(got, plain), (swiglu, masked, made)
