@@ -36,6 +36,7 @@ from benchmarks.kernel_bench import kv_bytes_per_layer, paged_pass
 from loopserve.attention.base import AttentionBackend, AttentionSpec
 from loopserve.attention.registry import backend_class
 from loopserve.bench.provenance import describe
+from loopserve.config import KV_CACHE_DTYPES
 from loopserve.kv.metadata import AttentionMetadata
 from loopserve.kv.storage import KVStorage, special_cache_dtype
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=parse_list, default=[512, 640, 2048, 8192])
     parser.add_argument("--prefill", type=parse_prompts, default=[(1, 1024), (8, 1024)])
     parser.add_argument(
-        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
         help="fp8: every backend reads an e4m3 cache (scales 1); tb_per_s counts its bytes",
     )  # fmt: skip
     parser.add_argument("--out", help="append the JSON lines to this file too")

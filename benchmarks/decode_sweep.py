@@ -43,6 +43,7 @@ from benchmarks.kernel_bench import (
     Workload,
     build_workload,
 )
+from loopserve.config import KV_CACHE_DTYPES
 from loopserve.kernels.decode_plan import DecodeSchedule, DecodeTiling
 from loopserve.kv.storage import special_cache_dtype
 
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the JSON lines (records, then summary) here")
     parser.add_argument("--tables", help="also write the printed tables here")
     parser.add_argument(
-        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
         help="fp8: an e4m3 cache (scales 1); TB/s count its bytes",
     )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the CPU interpreter")

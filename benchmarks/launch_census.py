@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jsonl import emit
+from loopserve.config import QUANTIZATIONS  # imports no kernel module
 
 # Views, aliases and allocations launch no kernel.
 NO_KERNEL = frozenset(
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--speculative-config", type=json.loads, default=None, help="JSON: count a lanes step"
     )
-    parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
     args = parser.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
     speculative = args.speculative_config

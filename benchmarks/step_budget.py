@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.jsonl import emit
 from benchmarks.step_profile import decode_step_kernels, device_step_ms, steady_engine
+from loopserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from loopserve.models.model_config import LoopedConfig
 from loopserve.models.ouro_config import OuroConfig
 from loopserve.runner.decode_slots import SamplingKind
@@ -91,8 +92,9 @@ def budget_record(
     kv_cache_dtype: str = "auto",
 ) -> dict[str, object]:
     engine, timed = steady_engine(
-        concurrency, 0.0, model_dir, max_model_len, None, quantization, kv_cache_dtype
-    )
+        concurrency, 0.0, model_dir, max_model_len, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     runner = timed.runner
     slots = list(engine.scheduler.slots.decoding)
     rows, kind = max(slots) + 1, runner.decode.sampling_kind(slots)
@@ -135,8 +137,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--concurrency", default="1,32")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--out", type=Path, help="also append the JSON lines here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:

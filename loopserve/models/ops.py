@@ -230,13 +230,18 @@ class TritonOps(TorchOps):
         self.quantize_inputs = quantize_inputs
         self.dependent_launches = dependent_launches
 
+    def _invariant(self, dtype: torch.dtype) -> bool:
+        """Whether rows of `dtype` keep fp8 `linear` under one tiling at every row count:
+        `batch_invariant`, and fp32 rows (the exactness runs)."""
+        return self.batch_invariant or dtype == torch.float32
+
     def dependent_rows(self, dtype: torch.dtype) -> int:
         """Up to how many rows of `dtype` a layer's kernels are launched as programmatic
         dependents (`kernels.pdl`): with `dependent_launches` (fp8 weights on SM90+), where fp8
         rows go through the GEMV, so that a layer's kernels are all ours; 0: none. The attention
         spec's `dependent_launch_rows` passes the same to the decode kernel."""
-        invariant = self.batch_invariant or dtype == torch.float32
-        return self.GEMV_ROWS if self.dependent_launches and not invariant else 0
+        gemv = self.dependent_launches and not self._invariant(dtype)
+        return self.GEMV_ROWS if gemv else 0
 
     def dependent(self, x: torch.Tensor) -> bool:
         """Whether the kernel of an op on rows `x` is launched as a programmatic dependent."""
@@ -292,7 +297,7 @@ class TritonOps(TorchOps):
         if scale is None:
             return linear(x, layer.weight, rows_wanted=rows_wanted, swiglu=swiglu)
         rows = x.shape[0]
-        invariant = self.batch_invariant or x.dtype == torch.float32
+        invariant = self._invariant(x.dtype)
         quantized: tuple[torch.Tensor, torch.Tensor] | None = getattr(x, self.E4M3_ROWS, None)
         if not invariant and rows <= self.GEMV_ROWS:
             from loopserve.kernels.gemv import fp8_gemv
