@@ -41,6 +41,11 @@ class PreemptionMode(str, enum.Enum):
     AUTO = "auto"  # swap while the victim fits the pinned swap space, else recompute
 
 
+class GrowthEstimate(str, enum.Enum):
+    LEARNED = "learned"  # admission counts running requests' expected growth (the share learned)
+    NONE = "none"  # admission counts the first prompt chunk and the watermark only (vLLM's rule)
+
+
 def setting(default: Any, help: str, *, flag: str | None = None, choices: Any = None) -> Any:
     """A config field with its help text (and, optionally, its command-line flag and choices)."""
     metadata = {"help": help, "flag": flag, "choices": choices}
@@ -121,6 +126,14 @@ class SchedulerConfig:
     )
     kv_watermark: float = setting(
         0.01, "incremental: fraction of KV pages admission keeps free for running requests to grow"
+    )
+    kv_growth_estimate: GrowthEstimate = setting(
+        GrowthEstimate.LEARNED,
+        "incremental: learned: admission also keeps free the pages running requests (and the "
+        "new one) are expected to take, each one's remaining max_tokens times the share of "
+        "max_tokens finished requests generated (SGLang's new-token ratio; 0.7 until requests "
+        "finish), so workloads that run to max_tokens are not admitted into preemption; none: "
+        "only the first prompt chunk and kv_watermark are counted (vLLM's rule)",
     )
     prefix_caching: bool = setting(
         True, "reuse the KV pages of prompt prefixes already computed (full pages, every plane)"

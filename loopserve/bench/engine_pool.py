@@ -54,6 +54,7 @@ class EngineSettings:
     calculate_kv_scales: bool = False
     quantization: str = "none"
     speculative_config: str | None = None  # the engine setting (JSON text), None: off
+    kv_growth_estimate: str = "learned"  # the engine setting
     timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
 
 
@@ -91,6 +92,7 @@ def engine_config(settings: EngineSettings, key: EngineKey, memory_share: float)
         prefix_caching=key.prefix_caching,
         kv_allocation=key.kv_allocation,
         preemption_mode=key.preemption_mode,
+        kv_growth_estimate=settings.kv_growth_estimate,
         batch_invariant=settings.batch_invariant,
         speculative_config=settings.speculative_config,
     )

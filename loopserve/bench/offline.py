@@ -271,6 +271,7 @@ def _engine_settings(
         trace_distribution=_trace_distribution(args, model),
         batch_invariant=args.batch_invariant,
         speculative_config=args.speculative_config,
+        kv_growth_estimate=args.kv_growth_estimate,
     )
 
 

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from loopserve.bench.presets import PRESETS
+from loopserve.config import GrowthEstimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +113,13 @@ def _engine_arguments(group: argparse._ArgumentGroup) -> None:
         "--max-num-batched-tokens", type=int, default=None, help="default: max(2048, max-num-seqs)"
     )
     group.add_argument("--prefill-chunk-size", type=int, default=2048)
+    group.add_argument(
+        "--kv-growth-estimate",
+        default=GrowthEstimate.LEARNED.value,
+        choices=[estimate.value for estimate in GrowthEstimate],
+        help="incremental allocation's admission: learned (running requests' expected growth "
+        "kept free) or none (vLLM's rule); docs/serving-capacity.md",
+    )
     group.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument(

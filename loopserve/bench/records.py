@@ -65,6 +65,7 @@ def engine_fields(built: BuiltEngine) -> Record:
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "prefill_chunk_size": scheduler.prefill_chunk_size,
+        "kv_growth_estimate": scheduler.kv_growth_estimate.value,
         "max_model_len": info.max_model_len,
         "async_scheduling": config.async_scheduling,
         "cuda_graphs_active": info.cuda_graphs,

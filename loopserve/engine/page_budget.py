@@ -2,19 +2,49 @@
 
 Owns: a request's page needs under the configured layout and allocation mode — every page it can
 ever hold (`pages_needed`), what admitting it takes from the pool now (`admission_cost`), what its
-in-flight decode token needs covered before the next step (`decode_targets`, `decode_growth`),
-the cached prompt blocks it can share, and `reserve` mode's reservation. Must not: change any
-state (it reads the KV manager; the scheduler allocates, frees and preempts), or import torch.
+in-flight decode token needs covered before the next step (`decode_targets`, `decode_growth`), the
+cached prompt blocks it can share, `reserve` mode's reservation, and `incremental` mode's estimate
+of the pages running requests will still take (`expected_peak`, from `UsedShare`, which the
+scheduler tells of each finished request). Must not: change the KV manager's state (it reads it; the
+scheduler allocates, frees and preempts), or import torch.
+
+The estimate is SGLang's new-token ratio turned into a measurement. Admitting on the first prompt
+chunk alone (vLLM's rule, `kv_growth_estimate="none"`) fills the pool with prompts whose outputs
+then have no room: each preemption after that throws work away (a recompute runs the prompt
+again). Counting every request's whole max_tokens at once is `reserve` mode, which admits too
+few where requests stop early at EOS, and more than needed even where they do not, since they end
+at different times. So admission keeps free the peak of what the running requests and the new
+one are expected to take: each is expected to run the share of its remaining max_tokens that
+finished requests actually generated (an average that moves a tenth of the way to each new one,
+0.7 before any finished), growing until then and freeing all it holds at its end. Where requests
+run to max_tokens the share tends to 1 and nothing is admitted that would be preempted later;
+where they stop at a tenth of max_tokens it tends to 0.1 and admission is nearly vLLM's.
 """
 
 from __future__ import annotations
 
 import math
 
-from loopserve.config import KVAllocation, SchedulerConfig
+from loopserve.config import GrowthEstimate, KVAllocation, SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.kv.pages import pages_for
 from loopserve.request import Request
+
+
+class UsedShare:
+    """The share of max_tokens that finished requests generated: a running average that moves
+    `WEIGHT` of the way to each new request's share, from `PRIOR`."""
+
+    PRIOR = 0.7  # SGLang's initial new-token ratio
+    WEIGHT = 0.1
+
+    def __init__(self) -> None:
+        self.value = self.PRIOR
+
+    def observe(self, request: Request) -> None:
+        """A request finished by EOS, a stop or its length (not aborted)."""
+        share = min(1.0, request.num_output_tokens / request.params.params.max_tokens)
+        self.value += self.WEIGHT * (share - self.value)
 
 
 class PageBudget:
@@ -25,6 +55,8 @@ class PageBudget:
         self.kv = kv
         self.watermark = math.ceil(config.kv_watermark * kv.num_usable_pages)
         self.lanes = lanes  # decode rows per request (SchedulerConfig.lanes)
+        self.estimates = config.kv_growth_estimate is GrowthEstimate.LEARNED and not self.reserve
+        self.used_share = UsedShare()
 
     def pages_needed(self, request: Request) -> int:
         """Every page the request can ever hold at once."""
@@ -56,12 +88,15 @@ class PageBudget:
         need = sum(self.kv.pages_to_grow(request.request_id, p, t) for p, t in targets.items())
         return max(0, need - self.kv.reservation(request.request_id))
 
-    def admission_cost(self, request: Request, others_running: bool) -> int | None:
+    def admission_cost(self, request: Request, running: list[Request]) -> int | None:
         """Pages admitting the request now takes from the pool, or None if it cannot be admitted
-        now (in `incremental` mode `kv_watermark` of the cache stays free, unless nothing runs)."""
+        now. In `incremental` mode, unless nothing runs, `kv_watermark` of the cache stays free
+        and, with the learned estimate, the most pages the running requests and this one are
+        expected to take on top at any one time (`expected_peak`)."""
         planes = request.params.max_loops
         if request.swapped_pages is not None:
             cost = sum(request.swapped_pages) + len(self.layout.generated_planes(planes))
+            holds = cost
         else:
             hit = self.cached_blocks(request)
             idle_hits = self.kv.num_idle(page for block in hit for page in block)
@@ -71,8 +106,48 @@ class PageBudget:
                 start = len(hit) * self.config.block_size
                 end = min(request.num_prefill_tokens, start + self.config.prefill_chunk_size)
                 cost = planes * (pages_for(end, self.config.block_size) - len(hit)) + idle_hits
-        margin = 0 if self.reserve or not others_running else self.watermark
+            holds = cost - idle_hits + planes * len(hit)
+        margin = 0
+        if running and not self.reserve:
+            margin = self.watermark
+            if self.estimates:
+                holders = [(other, self.held(other)) for other in running]
+                margin += self.expected_peak([*holders, (request, holds)])
         return cost if cost + margin <= self.kv.num_available_pages else None
+
+    def held(self, request: Request) -> int:
+        return sum(len(table) for table in self.kv.tables(request.request_id))
+
+    def expected_peak(self, holders: list[tuple[Request, int]]) -> int:
+        """The most pages, beyond those taken now, that `holders` (requests, with the pages each
+        holds) are expected to take at any one time. Each takes its prompt's missing pages at
+        once and a page per block of tokens per plane after that, until its expected end (the
+        `UsedShare` of the tokens max_tokens leaves it), when it frees all it holds. So the peak
+        comes just before an end; between ends, growth is counted as a straight line, with a
+        partly filled page per plane on top."""
+        block = self.config.block_size
+        share = self.used_share.value
+        ends = []  # (tokens to its end, pages taken at once, pages per token, pages held now)
+        for request, held in holders:
+            loops = request.params.max_loops
+            planes = len(self.layout.generated_planes(loops))
+            positions = request.num_prompt_tokens + request.num_output_tokens
+            now = self.layout.pages_needed(
+                loops, request.num_prompt_tokens, min(positions, self.num_positions(request)), block
+            )
+            left = request.params.params.max_tokens - request.num_output_tokens
+            tokens = max(1, math.ceil(share * left))
+            ends.append((tokens, max(0, now - held) + planes, planes / block, held))
+        ends.sort()
+        # Just before the k-th end, the requests from k on are still growing; those before it
+        # have freed what they held.
+        at_once = sum(end[1] for end in ends)
+        per_token = sum(end[2] for end in ends)
+        freed, peak = 0, 0.0
+        for tokens, start, rate, held in ends:
+            peak = max(peak, at_once + per_token * tokens - freed)
+            at_once, per_token, freed = at_once - start, per_token - rate, freed + held
+        return math.ceil(peak)
 
     def reservation(self, request: Request, hit_blocks: int) -> int:
         """`reserve` mode: every page the request can need beyond the cached ones it shares."""

@@ -8,16 +8,17 @@ decode step and taking it back, and applying a step's results. Must not: import 
 exits and refills: the decode step does, by `depth.policy`. Which planes a request holds and when
 they are freed comes from `kv.layout`; how many pages a request needs, from `engine.page_budget`.
 
-Pages. With `kv_allocation="incremental"` a request holds pages for what it has computed plus
-what the next step can write: a prompt chunk's positions in every plane before the chunk runs,
-and for a decoding request the position after its in-flight token (the step may run one token
-ahead of what the host has read back). Admission keeps `kv_watermark` of the cache free so running
-requests can grow. When a request cannot grow, the latest, lowest-priority running request is
-preempted: its K/V are copied to host memory (bit for bit), its pages and slot freed, and it waits
-at its old place in line; admitted again, it gets new pages, its K/V come back, and its in-flight
-token restarts at loop 1 (which recomputes it exactly). With `preemption_mode="recompute"` its
-K/V are dropped instead, and admitted again it prefills its prompt and generated tokens (each to
-its recorded exit depth, `Request.replay_loops`) before its in-flight token restarts. With
+Pages. With `kv_allocation="incremental"` a request holds pages for what it has computed plus what
+the next step can write: a prompt chunk's positions in every plane before the chunk runs, and for a
+decoding request the position after its in-flight token (the step may run one token ahead of what
+the host has read back). Admission keeps `kv_watermark` of the cache free so running requests can
+grow, and (`kv_growth_estimate="learned"`) the pages they and the new request are expected to take
+(`page_budget.UsedShare`). When a request cannot grow, the latest, lowest-priority running request
+is preempted: its K/V are copied to host memory (bit for bit), its pages and slot freed, and it
+waits at its old place in line; admitted again, it gets new pages, its K/V come back, and its
+in-flight token restarts at loop 1 (which recomputes it exactly). With `preemption_mode="recompute"`
+its K/V are dropped instead, and admitted again it prefills its prompt and generated tokens (each
+to its recorded exit depth, `Request.replay_loops`) before its in-flight token restarts. With
 `kv_allocation="reserve"` admission reserves every page a request can need and nothing is ever
 preempted.
 """
@@ -111,6 +112,8 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """End a running request now and free everything it holds."""
+        if reason != "abort":
+            self.pages.used_share.observe(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -295,7 +298,7 @@ class Scheduler:
     # ----- admission, preemption, resumption -----------------------------------------------
 
     def _admission_cost(self, request: Request) -> int | None:
-        return self.pages.admission_cost(request, others_running=bool(self.running))
+        return self.pages.admission_cost(request, self.running)
 
     def _admit(self, request: Request, output: SchedulerOutput) -> bool:
         if self._admission_cost(request) is None:

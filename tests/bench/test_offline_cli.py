@@ -122,6 +122,7 @@ def test_swap_and_recompute_preemption_side_by_side(tiny_checkpoint: Path, tmp_p
         "bench", "offline", "--model", str(tiny_checkpoint), "--device", "cpu",
         "--workload", "14/12", "--concurrency", "3", "--exits", "fixed", "--scheduling", "refill",
         "--preemption-mode", "swap,recompute", "--trials", "1", "--warmup-output-len", "0",
+        "--kv-growth-estimate", "none",
         "--num-kv-pages", "13", "--output", str(output), "--summary", str(summary),
     ])  # fmt: skip
     assert code == 0

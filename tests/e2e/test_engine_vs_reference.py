@@ -20,6 +20,7 @@ from loopserve.models.families import preset_config, read_model_config
 from loopserve.reference import SerialReference
 from loopserve.sampling_params import SamplingParams
 from tests.conftest import TINY_CONFIG, VARIED_GATE
+from tests.pressure import PREEMPTING
 
 PROMPTS = [
     [7, 3, 9, 120, 44, 2, 18, 99, 5, 61, 17],
@@ -246,7 +247,7 @@ def test_preempted_requests_keep_every_token_and_depth(
     """A small cache (20 pages with 4 loops, 8 with Nanbeige's 2): requests are swapped out and
     back in while they grow."""
     pages = 8 if engine_loops(checkpoint) == 2 else 20
-    results = run_engine(checkpoint, layout, mode, "refill", 8, 5, num_kv_pages=pages)
+    results = run_engine(checkpoint, layout, mode, "refill", 8, 5, num_kv_pages=pages, **PREEMPTING)
     assert RUN_STATS[checkpoint, layout, mode, "refill", 8, 5].num_preemptions > 0
     for index in range(8):
         assert results[str(index)] == reference(layout, mode, index), f"request {index}"
@@ -260,7 +261,15 @@ def test_recomputed_requests_keep_every_token_and_depth(
     again, its prompt and generated tokens are prefilled again, each to its own exit depth."""
     pages = 8 if engine_loops(checkpoint) == 2 else 20
     results = run_engine(
-        checkpoint, "full", mode, "refill", 8, 5, num_kv_pages=pages, preemption_mode="recompute"
+        checkpoint,
+        "full",
+        mode,
+        "refill",
+        8,
+        5,
+        num_kv_pages=pages,
+        preemption_mode="recompute",
+        **PREEMPTING,
     )
     stats = RUN_STATS[checkpoint, "full", mode, "refill", 8, 5]
     assert stats.num_preemptions > 0 and stats.recomputed_tokens > 0

@@ -20,6 +20,7 @@ from loopserve.engine.engine import Engine
 from loopserve.kv.storage import FP8, KVScales
 from loopserve.models.kv_scales import calculate_kv_scales
 from loopserve.reference import SerialReference
+from tests.pressure import PREEMPTING
 
 PROMPTS = [[7, 3, 9, 120, 44, 2, 18, 99, 5, 61, 17], [200], list(range(30, 70)), [5, 5, 81]]
 
@@ -51,7 +52,7 @@ def test_fp8_engine_equals_the_fp8_reference(
 ) -> None:
     llm = LLM(
         dtype="float32", kv_cache_dtype="fp8", kv_layout=kv_layout, num_kv_pages=num_kv_pages,
-        calculate_kv_scales=calculate,
+        calculate_kv_scales=calculate, **PREEMPTING,
     )  # fmt: skip
     assert llm.engine.info.kv_cache_dtype == "float8_e4m3fn"
     assert llm.engine.info.kv_cache_scales == ("calculated" if calculate else "1.0")

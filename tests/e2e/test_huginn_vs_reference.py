@@ -25,6 +25,7 @@ from tests.e2e.test_engine_vs_reference import (
     params_for,
     run_engine,
 )
+from tests.pressure import PREEMPTING
 
 # name -> (prelude, block, coda layers, loops, the convergence threshold that spreads the depths
 # of these random weights: their states change by 0.3-1.3 of their norm a loop).
@@ -189,7 +190,9 @@ def test_preempted_prefixed_and_reserved_runs_equal_the_reference(
     name, directory = checkpoint
     given = modes(name)
     pages = 16 if layout == "full" else 11
-    results = run_engine(directory, layout, mode, "refill", 8, 5, modes=given, num_kv_pages=pages)
+    results = run_engine(
+        directory, layout, mode, "refill", 8, 5, modes=given, num_kv_pages=pages, **PREEMPTING
+    )
     assert RUN_STATS[directory, layout, mode, "refill", 8, 5].num_preemptions > 0
     for index in range(8):
         assert results[str(index)] == reference(layout, mode, index), f"request {index}"

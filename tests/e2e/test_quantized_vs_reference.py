@@ -27,6 +27,7 @@ from tests.e2e.test_engine_vs_reference import MODES, PREFIXED, PROMPTS, RUN_STA
 from tests.e2e.test_engine_vs_reference import run_engine as run_engine_with
 from tests.e2e.test_fp8_kv_cache import engine_kv_scales
 from tests.e2e.test_huginn_vs_reference import modes as huginn_modes
+from tests.pressure import PREEMPTING
 
 QUANTIZED = {
     "fp8-weights": {"quantization": "fp8"},
@@ -172,7 +173,7 @@ def test_preempted_requests_equal_the_quantized_reference(
     pages = 8 if family == "nanbeige" else 20
     results = run_engine(
         checkpoints, family, "fp8-both", "full", mode, num_kv_pages=pages,
-        preemption_mode=preemption_mode,
+        preemption_mode=preemption_mode, **PREEMPTING,
     )  # fmt: skip
     stats = RUN_STATS[checkpoints(family), "full", mode, "refill", len(PROMPTS), 5]
     assert stats.num_preemptions > 0

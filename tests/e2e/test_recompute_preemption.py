@@ -20,6 +20,7 @@ from loopserve.engine.scheduler_output import SchedulerOutput
 from loopserve.engine.stats import EngineStats
 from loopserve.runner.setup import build_runner
 from loopserve.sampling_params import SamplingParams
+from tests.pressure import PREEMPTING
 from tests.published_configs import write_huginn_checkpoint
 
 PROMPTS = [
@@ -49,7 +50,7 @@ def run(
 ) -> tuple[dict[str, Result], EngineStats]:
     config = EngineConfig.from_options(
         device="cpu", dtype="float32", max_num_seqs=8, exit_mode="ouro", prefill_chunk_size=5,
-        max_num_batched_tokens=16, num_kv_pages=num_kv_pages, **options,
+        max_num_batched_tokens=16, num_kv_pages=num_kv_pages, **(PREEMPTING | options),
     )  # fmt: skip
     runner = None if pinned_swap_pages is None else PinnedSwapSpace(config, pinned_swap_pages)
     engine = Engine(config, runner)

@@ -31,6 +31,7 @@ from tests.e2e.test_engine_vs_reference import (
     reference,
     run_engine,
 )
+from tests.pressure import PREEMPTING
 
 __all__ = ["checkpoint", "reference"]  # the fixtures this module shares
 
@@ -119,6 +120,7 @@ def test_preempted_speculating_requests_keep_every_token(
         num_kv_pages=24,
         preemption_mode=preemption_mode,
         speculative_config=speculative(2, 1),
+        **PREEMPTING,
     )
     assert RUN_STATS[checkpoint, "full", mode, "refill", 8, 5].num_preemptions > 0
     for index in range(8):

@@ -17,6 +17,7 @@ from loopserve import LLM, SamplingParams
 from loopserve.reference import SerialReference
 from loopserve.structured_outputs import StructuredOutputsParams as Spec
 from tests.constraint_cases import CHOICE, GRAMMAR, REGEX, SCHEMA, check_matches, random_schema
+from tests.pressure import PREEMPTING
 
 CASES = [
     ("def fibonacci(n):\n", Spec(json=SCHEMA)),
@@ -73,6 +74,7 @@ def test_constrained_engine_equals_reference(
         num_kv_pages=num_kv_pages,
         block_size=block_size,
         preemption_mode=preemption,
+        **PREEMPTING,
     )
     requests = [params(index, spec) for index, (_, spec) in enumerate(CASES)]
     outputs = llm.generate([prompt for prompt, _ in CASES], requests)

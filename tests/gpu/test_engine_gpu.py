@@ -20,6 +20,7 @@ from loopserve.reference import SerialReference
 from loopserve.runner.cuda_graphs import GraphedDecodeStep
 from loopserve.sampling_params import SamplingParams
 from tests.e2e.test_fp8_kv_cache import engine_kv_scales
+from tests.pressure import PREEMPTING
 
 pytestmark = [
     pytest.mark.gpu,
@@ -148,7 +149,7 @@ def test_fp32_preempted_requests_equal_reference(
         EngineConfig.from_options(
             model=str(checkpoint), device="cuda", dtype="float32", kv_layout=layout,
             exit_mode="ouro", attention_backend="triton", max_num_seqs=16, num_kv_pages=200,
-            prefill_chunk_size=64, swap_space_gb=SWAP_SPACES_GB[swap_space],
+            prefill_chunk_size=64, swap_space_gb=SWAP_SPACES_GB[swap_space], **PREEMPTING,
         )
     )  # fmt: skip
     batch, params = prompts(10, seed=3), mixed_params(10, 0.6)
@@ -172,7 +173,7 @@ def test_fp32_recomputed_requests_equal_reference(checkpoint: Path) -> None:
         EngineConfig.from_options(
             model=str(checkpoint), device="cuda", dtype="float32", exit_mode="ouro",
             attention_backend="triton", max_num_seqs=16, num_kv_pages=200,
-            prefill_chunk_size=64, preemption_mode="recompute",
+            prefill_chunk_size=64, preemption_mode="recompute", **PREEMPTING,
         )
     )  # fmt: skip
     batch, params = prompts(10, seed=3), mixed_params(10, 0.6)

@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.pressure import PREEMPTING
+
 from .server_testing import RunningServer, serve_in_thread, write_tiny_model
 
 NUM_CHATS = 256
@@ -54,7 +56,7 @@ async def _all_chats(server: RunningServer) -> list[tuple[str, int]]:
 @pytest.mark.slow
 def test_256_chats_without_max_tokens_all_complete(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "model", max_model_len=MAX_MODEL_LEN)
-    engine = {"num_kv_pages": NUM_KV_PAGES, "max_num_seqs": 32}
+    engine = {"num_kv_pages": NUM_KV_PAGES, "max_num_seqs": 32, **PREEMPTING}
     with serve_in_thread(model, engine=engine) as server:
         results = asyncio.run(_all_chats(server))
         samples = server.wait_until_idle()

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loopserve.engine.engine import Engine
+from tests.pressure import PREEMPTING
 from tests.unit.fake_model import FakeLoopedModel, make_engine, params, prompt, run_to_completion
 
 
@@ -42,7 +43,9 @@ def test_incremental_pages_follow_the_tokens() -> None:
 
 
 def test_the_lowest_priority_latest_request_is_preempted_and_resumes_intact() -> None:
-    engine, runner = make_engine(num_kv_pages=1 + 4 * 6, exit_mode="trace", kv_watermark=0.0)
+    engine, runner = make_engine(
+        num_kv_pages=1 + 4 * 6, exit_mode="trace", kv_watermark=0.0, **PREEMPTING
+    )
     engine.add_request(prompt(30), params(40, trace_depths=(1,) * 39), request_id="old")
     engine.add_request(prompt(30), params(40, trace_depths=(1,) * 39), request_id="new")
     engine.add_request(
@@ -115,6 +118,7 @@ PREFIXES = [[], list(range(100, 116)), list(range(100, 132)), list(range(200, 24
     asynchronous=st.booleans(),
     seed=st.integers(0, 2**16),
     recompute=st.booleans(),  # recompute preemption where the layout allows it (full)
+    estimate=st.sampled_from(["learned", "none"]),  # incremental admission's growth estimate
 )
 def test_fuzz_pages_balance_and_every_request_ends(
     actions: list[tuple[str, int, int, int, int]],
@@ -125,6 +129,7 @@ def test_fuzz_pages_balance_and_every_request_ends(
     asynchronous: bool,
     seed: int,
     recompute: bool,
+    estimate: str,
 ) -> None:
     """Random arrivals, prompt prefixes, lengths, priorities and aborts on a pool small enough
     to preempt: after every step the page books balance (no leak, no double free, reference counts
@@ -139,6 +144,7 @@ def test_fuzz_pages_balance_and_every_request_ends(
         scheduling=scheduling,
         kv_allocation=allocation,
         preemption_mode="recompute" if recompute and layout == "full" else "swap",
+        kv_growth_estimate=estimate,
         async_scheduling=asynchronous,
         max_num_seqs=6,
         prefill_chunk_size=16,

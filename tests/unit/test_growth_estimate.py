@@ -1,0 +1,125 @@
+"""Incremental admission's growth estimate (`engine.page_budget`, `kv_growth_estimate`): the share
+of max_tokens finished requests used, the expected peak it gives, and what admission does with
+it, on the real scheduler with the fake model."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from loopserve.config import KVLayout, SchedulerConfig
+from loopserve.engine.engine import Engine
+from loopserve.engine.kv_manager import KVCacheManager
+from loopserve.engine.page_budget import PageBudget, UsedShare
+from tests.unit.fake_model import FakeLoopedModel, make_engine, params, prompt, run_to_completion
+
+
+def holder(prompt_tokens: int, max_tokens: int, outputs: int = 0) -> SimpleNamespace:
+    """What `PageBudget` reads of a request."""
+    resolved = SimpleNamespace(max_loops=4, params=SimpleNamespace(max_tokens=max_tokens))
+    return SimpleNamespace(
+        num_prompt_tokens=prompt_tokens, num_output_tokens=outputs, params=resolved
+    )
+
+
+def budget(layout: str = "full", share: float = 1.0) -> PageBudget:
+    config = SchedulerConfig(block_size=16, kv_layout=KVLayout(layout))
+    pages = PageBudget(config, KVCacheManager(200, 16), lanes=1)
+    pages.used_share.value = share
+    return pages
+
+
+def test_the_expected_peak_by_hand() -> None:
+    # Each holds its 16-token prompt in 4 planes (4 pages). At share 1, B ends after 9 tokens, A
+    # after 33. Just before B's end both grew: 2 x (a partly filled page per plane, 4, and 9/16
+    # of a page per plane, 2.25) = 12.5. Just before A's end B has freed its 4: 4 + 33/4 - 4.
+    a, b = holder(16, 33), holder(16, 9)
+    assert budget().expected_peak([(a, 4), (b, 4)]) == 13
+    # At share 0.5 they are expected to end after 17 and 5 tokens: 8 + 0.5 x 5 = 10.5.
+    assert budget(share=0.5).expected_peak([(a, 4), (b, 4)]) == 11
+    # A prompt not yet held is taken at once: 4 more pages than above.
+    assert budget().expected_peak([(a, 0), (b, 4)]) == 17
+
+
+@pytest.mark.parametrize("layout", ["full", "shared"])
+@pytest.mark.parametrize("seed", range(20))
+def test_at_share_one_the_estimate_bounds_the_true_peak(layout: str, seed: int) -> None:
+    """Requests that run to max_tokens never take more than the estimate at share 1 (so none
+    admitted under it is preempted): the pages each holds at every step, summed, against it."""
+    rng = random.Random(seed)
+    pages = budget(layout)
+    holders = []
+    for _ in range(rng.randint(1, 8)):
+        request = holder(rng.randint(1, 80), rng.randint(1, 60))
+        request.num_output_tokens = rng.randint(0, request.params.params.max_tokens - 1)
+        positions = request.num_prompt_tokens + request.num_output_tokens
+        full = pages.layout.pages_needed(4, request.num_prompt_tokens, positions, 16)
+        holders.append((request, rng.randint(0, full)))  # its prompt may be partly held
+
+    def taken(request: SimpleNamespace, held: int, step: int) -> int:
+        """Pages beyond `held` the request holds `step` tokens on (freed all after its end)."""
+        left = request.params.params.max_tokens - request.num_output_tokens
+        if step > left:
+            return -held
+        positions = request.num_prompt_tokens + request.num_output_tokens + step
+        at = min(positions, pages.num_positions(request))
+        return pages.layout.pages_needed(4, request.num_prompt_tokens, at, 16) - held
+
+    true_peak = max(sum(taken(r, held, step) for r, held in holders) for step in range(62))
+    assert pages.expected_peak(holders) >= true_peak
+
+
+def test_the_used_share_follows_finished_requests_and_not_aborted_ones() -> None:
+    # The fake model's tokens count up from the prompt's last: from 5, EOS (10) is the 5th.
+    engine, _ = make_engine(FakeLoopedModel(eos_token_ids=(10,)), exit_mode="trace")
+    share = engine.scheduler.pages.used_share
+    assert share.value == UsedShare.PRIOR
+    engine.add_request(prompt(5), params(20), request_id="stops")
+    run_to_completion(engine)
+    expected = UsedShare.PRIOR + UsedShare.WEIGHT * (5 / 20 - UsedShare.PRIOR)
+    assert share.value == pytest.approx(expected)
+    engine.add_request(prompt(5), params(20), request_id="aborted")
+    engine.step()
+    engine.abort("aborted")
+    assert share.value == pytest.approx(expected)
+
+
+def preempting_run(estimate: str) -> tuple[Engine, dict[str, list[int]]]:
+    """Eight requests that run to max_tokens on a cache that holds three at their full length."""
+    engine, _ = make_engine(
+        num_kv_pages=1 + 4 * 4 * 3, exit_mode="trace", kv_growth_estimate=estimate
+    )
+    for index in range(8):
+        engine.add_request(prompt(30), params(30, trace_depths=(1,) * 29), request_id=str(index))
+    done = run_to_completion(engine)
+    return engine, {name: output.outputs[0].token_ids for name, output in done.items()}
+
+
+def test_the_learned_estimate_preempts_less_and_changes_no_token() -> None:
+    plain, plain_tokens = preempting_run("none")
+    learned, learned_tokens = preempting_run("learned")
+    assert plain.stats().num_preemptions > 0
+    assert learned.stats().num_preemptions < plain.stats().num_preemptions
+    assert learned_tokens == plain_tokens
+    assert learned.scheduler.pages.used_share.value > UsedShare.PRIOR  # they ran to max_tokens
+
+
+def peak_running(allocation: str) -> int:
+    """Requests that stop at EOS after a quarter of max_tokens: the most that ran at once."""
+    engine, _ = make_engine(
+        FakeLoopedModel(eos_token_ids=(40,)), num_kv_pages=1 + 4 * 8 * 4,
+        exit_mode="trace", kv_allocation=allocation, max_num_seqs=16,
+    )  # fmt: skip
+    for index in range(32):
+        engine.add_request(prompt(30), params(40), request_id=str(index))
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, engine.stats().num_running)
+    return most
+
+
+def test_requests_that_stop_early_run_more_at_once_than_reserved_pages_allow() -> None:
+    assert peak_running("incremental") > peak_running("reserve")
