@@ -30,10 +30,20 @@ from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.kv.pages import pages_for
 from loopserve.request import Request
 
+# The most tokens the estimate expects any request to still generate (SGLang clips its estimate the
+# same way): a request that leaves max_tokens at the rest of a long context is not counted as
+# taking all of it.
+CLIP_TOKENS = 4096
+
+
+def token_budget(request: Request) -> int:
+    """The max_tokens the estimate counts for a request: its own, at most `CLIP_TOKENS`."""
+    return min(request.params.params.max_tokens, CLIP_TOKENS)
+
 
 class UsedShare:
-    """The share of max_tokens that finished requests generated: a running average that moves
-    `WEIGHT` of the way to each new request's share, from `PRIOR`."""
+    """The share of its `token_budget` that finished requests generated: a running average that
+    moves `WEIGHT` of the way to each new request's share, from `PRIOR`."""
 
     PRIOR = 0.7  # SGLang's initial new-token ratio
     WEIGHT = 0.1
@@ -43,7 +53,7 @@ class UsedShare:
 
     def observe(self, request: Request) -> None:
         """A request finished by EOS, a stop or its length (not aborted)."""
-        share = min(1.0, request.num_output_tokens / request.params.params.max_tokens)
+        share = min(1.0, request.num_output_tokens / token_budget(request))
         self.value += self.WEIGHT * (share - self.value)
 
 
@@ -116,13 +126,15 @@ class PageBudget:
         return cost if cost + margin <= self.kv.num_available_pages else None
 
     def held(self, request: Request) -> int:
+        """Pages a running request holds now."""
         return sum(len(table) for table in self.kv.tables(request.request_id))
 
     def expected_peak(self, holders: list[tuple[Request, int]]) -> int:
         """The most pages, beyond those taken now, that `holders` (requests, with the pages each
         holds) are expected to take at any one time. Each takes its prompt's missing pages at
         once and a page per block of tokens per plane after that, until its expected end (the
-        `UsedShare` of the tokens max_tokens leaves it), when it frees all it holds. So the peak
+        `UsedShare` of the tokens max_tokens leaves it, at most `CLIP_TOKENS`), when it frees all
+        it holds. So the peak
         comes just before an end; between ends, growth is counted as a straight line, with a
         partly filled page per plane on top."""
         block = self.config.block_size
@@ -135,7 +147,7 @@ class PageBudget:
             now = self.layout.pages_needed(
                 loops, request.num_prompt_tokens, min(positions, self.num_positions(request)), block
             )
-            left = request.params.params.max_tokens - request.num_output_tokens
+            left = min(request.params.params.max_tokens - request.num_output_tokens, CLIP_TOKENS)
             tokens = max(1, math.ceil(share * left))
             ends.append((tokens, max(0, now - held) + planes, planes / block, held))
         ends.sort()

@@ -12,7 +12,7 @@ import pytest
 from loopserve.config import KVLayout, SchedulerConfig
 from loopserve.engine.engine import Engine
 from loopserve.engine.kv_manager import KVCacheManager
-from loopserve.engine.page_budget import PageBudget, UsedShare
+from loopserve.engine.page_budget import CLIP_TOKENS, PageBudget, UsedShare
 from tests.unit.fake_model import FakeLoopedModel, make_engine, params, prompt, run_to_completion
 
 
@@ -41,6 +41,16 @@ def test_the_expected_peak_by_hand() -> None:
     assert budget(share=0.5).expected_peak([(a, 4), (b, 4)]) == 11
     # A prompt not yet held is taken at once: 4 more pages than above.
     assert budget().expected_peak([(a, 0), (b, 4)]) == 17
+
+
+def test_a_request_is_expected_to_take_at_most_the_clip() -> None:
+    """A request that leaves max_tokens at the rest of a long context counts as CLIP_TOKENS."""
+    pages = budget(share=0.5)
+    long, clipped = holder(16, 100_000, outputs=10), holder(16, CLIP_TOKENS + 10, outputs=10)
+    assert pages.expected_peak([(long, 4)]) == pages.expected_peak([(clipped, 4)])
+    share = UsedShare()
+    share.observe(SimpleNamespace(num_output_tokens=CLIP_TOKENS // 2, params=long.params))
+    assert share.value == pytest.approx(UsedShare.PRIOR + UsedShare.WEIGHT * (0.5 - 0.7))
 
 
 @pytest.mark.parametrize("layout", ["full", "shared"])
