@@ -149,7 +149,10 @@ class PageBudget:
             )
             left = min(request.params.params.max_tokens - request.num_output_tokens, CLIP_TOKENS)
             tokens = max(1, math.ceil(share * left))
-            ends.append((tokens, max(0, now - held) + planes, planes / block, held))
+            # Still prefilling, it takes the rest of its prompt at once; decoding, it holds all
+            # it needs now (in the shared layout it has freed its prompt-only planes).
+            at_once = max(0, now - held) if request.is_prefilling else 0
+            ends.append((tokens, at_once + planes, planes / block, held))
         ends.sort()
         # Just before the k-th end, the requests from k on are still growing; those before it
         # have freed what they held.

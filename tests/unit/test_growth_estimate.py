@@ -13,15 +13,17 @@ from loopserve.config import KVLayout, SchedulerConfig
 from loopserve.engine.engine import Engine
 from loopserve.engine.kv_manager import KVCacheManager
 from loopserve.engine.page_budget import CLIP_TOKENS, PageBudget, UsedShare
+from loopserve.kv.pages import pages_for
 from tests.unit.fake_model import FakeLoopedModel, make_engine, params, prompt, run_to_completion
 
 
 def holder(prompt_tokens: int, max_tokens: int, outputs: int = 0) -> SimpleNamespace:
-    """What `PageBudget` reads of a request."""
+    """What `PageBudget` reads of a request: prefilling until it has an output."""
     resolved = SimpleNamespace(max_loops=4, params=SimpleNamespace(max_tokens=max_tokens))
     return SimpleNamespace(
-        num_prompt_tokens=prompt_tokens, num_output_tokens=outputs, params=resolved
-    )
+        num_prompt_tokens=prompt_tokens, num_output_tokens=outputs, params=resolved,
+        is_prefilling=outputs == 0,
+    )  # fmt: skip
 
 
 def budget(layout: str = "full", share: float = 1.0) -> PageBudget:
@@ -54,31 +56,49 @@ def test_a_request_is_expected_to_take_at_most_the_clip() -> None:
 
 
 @pytest.mark.parametrize("layout", ["full", "shared"])
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(40))
 def test_at_share_one_the_estimate_bounds_the_true_peak(layout: str, seed: int) -> None:
     """Requests that run to max_tokens never take more than the estimate at share 1 (so none
     admitted under it is preempted): the pages each holds at every step, summed, against it."""
     rng = random.Random(seed)
     pages = budget(layout)
-    holders = []
-    for _ in range(rng.randint(1, 8)):
-        request = holder(rng.randint(1, 80), rng.randint(1, 60))
-        request.num_output_tokens = rng.randint(0, request.params.params.max_tokens - 1)
-        positions = request.num_prompt_tokens + request.num_output_tokens
-        full = pages.layout.pages_needed(4, request.num_prompt_tokens, positions, 16)
-        holders.append((request, rng.randint(0, full)))  # its prompt may be partly held
+    planes = len(pages.layout.generated_planes(4))
 
-    def taken(request: SimpleNamespace, held: int, step: int) -> int:
-        """Pages beyond `held` the request holds `step` tokens on (freed all after its end)."""
-        left = request.params.params.max_tokens - request.num_output_tokens
-        if step > left:
-            return -held
+    def footprint(request: SimpleNamespace, step: int) -> int:
+        """Pages the request holds `step` tokens on: every plane while it prefills; once it
+        decodes, the shared layout has freed the planes that hold the prompt alone."""
         positions = request.num_prompt_tokens + request.num_output_tokens + step
         at = min(positions, pages.num_positions(request))
-        return pages.layout.pages_needed(4, request.num_prompt_tokens, at, 16) - held
+        every = pages.layout.pages_needed(4, request.num_prompt_tokens, at, 16)
+        freed = (
+            0 if request.is_prefilling else (4 - planes) * pages_for(request.num_prompt_tokens, 16)
+        )
+        return every - freed
+
+    holders = []
+    for _ in range(rng.randint(1, 8)):
+        request = holder(rng.randint(1, 80), rng.randint(1, 60), outputs=rng.choice([0, 1, 9]))
+        request.num_output_tokens = min(
+            request.num_output_tokens, request.params.params.max_tokens - 1
+        )
+        request.is_prefilling = request.num_output_tokens == 0
+        now = footprint(request, 0)
+        holders.append((request, rng.randint(0, now) if request.is_prefilling else now))
+
+    def taken(request: SimpleNamespace, held: int, step: int) -> int:
+        """Pages beyond `held` the request holds `step` tokens on (all freed after its end)."""
+        left = request.params.params.max_tokens - request.num_output_tokens
+        return -held if step > left else footprint(request, step) - held
 
     true_peak = max(sum(taken(r, held, step) for r, held in holders) for step in range(62))
     assert pages.expected_peak(holders) >= true_peak
+
+
+def test_a_decoding_request_in_the_shared_layout_is_not_charged_its_freed_prompt() -> None:
+    # 64 prompt tokens, decoding: 4 pages in the one plane it keeps. At share 1, 16 tokens
+    # more: a page and a partly filled one, not the 3 x 4 prompt pages it freed.
+    decoding = holder(64, 16, outputs=1)
+    assert budget("shared").expected_peak([(decoding, 5)]) == 2
 
 
 def test_the_used_share_follows_finished_requests_and_not_aborted_ones() -> None:
