@@ -95,23 +95,34 @@ def _requested_specs(args: argparse.Namespace) -> tuple[list[RunSpec], float | N
             f"time budget {budget:.0f} s"
         )
         return preset.specs, budget
-    variants = [
-        Variant(exits, scheduling, graphs == "on", layout, caching == "on", allocation, mode)
-        for exits in parse_list(args.exits or ",".join(EXITS), EXITS, "--exits")
-        for scheduling in parse_list(
-            args.scheduling or ",".join(SCHEDULINGS), SCHEDULINGS, "--scheduling"
+    # Reserved pages are never preempted: a reserve variant takes no preemption mode (swap, the
+    # default, whatever --preemption-mode lists), and appears once.
+    variants = list(
+        dict.fromkeys(
+            Variant(
+                exits,
+                scheduling,
+                graphs == "on",
+                layout,
+                caching == "on",
+                allocation,
+                mode if allocation == "incremental" else "swap",
+            )
+            for exits in parse_list(args.exits or ",".join(EXITS), EXITS, "--exits")
+            for scheduling in parse_list(
+                args.scheduling or ",".join(SCHEDULINGS), SCHEDULINGS, "--scheduling"
+            )
+            for graphs in parse_list(args.graphs or ",".join(GRAPHS), GRAPHS, "--graphs")
+            for layout in layouts
+            for caching in parse_list(args.prefix_caching or "on", ON_OFF, "--prefix-caching")
+            for allocation in parse_list(
+                args.kv_allocation or "incremental", KV_ALLOCATIONS, "--kv-allocation"
+            )
+            for mode in parse_list(
+                args.preemption_mode or "swap", PREEMPTION_MODES, "--preemption-mode"
+            )
         )
-        for graphs in parse_list(args.graphs or ",".join(GRAPHS), GRAPHS, "--graphs")
-        for layout in layouts
-        for caching in parse_list(args.prefix_caching or "on", ON_OFF, "--prefix-caching")
-        for allocation in parse_list(
-            args.kv_allocation or "incremental", KV_ALLOCATIONS, "--kv-allocation"
-        )
-        for mode in parse_list(
-            args.preemption_mode or "swap", PREEMPTION_MODES, "--preemption-mode"
-        )
-        if allocation == "incremental" or mode == "swap"  # reserved pages are never preempted
-    ]
+    )
     shared = args.shared_prefix or 0
     workloads = [
         replace(Workload.parse(text), shared_prefix=shared) for text in args.workload or ["512/128"]

@@ -57,6 +57,23 @@ def test_plan_grid_and_bad_flags() -> None:
         make_plan(_args("--workload", "512"), "cuda")
 
 
+def test_reserve_runs_once_whatever_preemption_modes_are_listed() -> None:
+    """Reserved pages are never preempted: `--preemption-mode recompute` must not drop the reserve
+    variant (it did, silently), and swap,recompute must not run it twice."""
+    for modes in ("recompute", "swap,recompute"):
+        plan = make_plan(
+            _args(
+                "--workload", "8/2", "--concurrency", "4", "--exits", "fixed", "--scheduling",
+                "refill", "--graphs", "on", "--kv-allocation", "reserve,incremental",
+                "--preemption-mode", modes,
+            ),
+            "cuda",
+        )  # fmt: skip
+        pairs = [(spec.variant.kv_allocation, spec.variant.preemption_mode) for spec in plan.specs]
+        incremental = [("incremental", mode) for mode in modes.split(",")]
+        assert pairs == [("reserve", "swap"), *incremental]
+
+
 SHORT = Workload(512, 128)
 
 
