@@ -24,7 +24,7 @@ import torch
 from loopserve.bench.floor import ModelBytes
 from loopserve.bench.sweep_spec import EngineKey
 from loopserve.bench.timed_runner import TimedRunner
-from loopserve.config import EngineConfig
+from loopserve.config import EngineConfig, GrowthEstimate
 from loopserve.engine.engine import Engine
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.setup import build_runner
@@ -54,7 +54,7 @@ class EngineSettings:
     calculate_kv_scales: bool = False
     quantization: str = "none"
     speculative_config: str | None = None  # the engine setting (JSON text), None: off
-    kv_growth_estimate: str = "learned"  # the engine setting
+    kv_growth_estimate: str = GrowthEstimate.LEARNED.value  # the engine setting
     timed: bool = False  # drive each engine through a TimedRunner (the step timeline reads it)
 
 

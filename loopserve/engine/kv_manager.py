@@ -16,8 +16,9 @@ out.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from loopserve.engine.prefix_cache import PrefixCache
@@ -192,6 +193,24 @@ class KVCacheManager:
 
     def tables(self, request_id: str) -> list[list[int]]:
         return [list(table) for table in self._requests[request_id].tables]
+
+    def page_counts(self, request_id: str) -> tuple[int, int]:
+        """(pages in the request's tables, those nobody else references: what freeing it now
+        would give back). Only cached prompt blocks are shared, and whoever shares one shares
+        every block before it, so in each table the shared pages come first, with reference
+        counts that never rise along the table: a binary search finds where they end."""
+        held = own = 0
+        for table in self._requests[request_id].tables:
+            held += len(table)
+            if not table or self._refs[table[0]] == 1:  # nothing shared (the common case)
+                own += len(table)
+                continue
+            shared = bisect.bisect_left(range(len(table)), True, key=self._alone(table))
+            own += len(table) - shared
+        return held, own
+
+    def _alone(self, table: list[int]) -> Callable[[int], bool]:
+        return lambda index: self._refs[table[index]] == 1
 
     def freed_planes(self, request_id: str) -> set[int]:
         return set(self._requests[request_id].freed_planes)

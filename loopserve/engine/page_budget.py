@@ -24,6 +24,7 @@ where they stop at a tenth of max_tokens it tends to 0.1 and admission is nearly
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from loopserve.config import GrowthEstimate, KVAllocation, SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
@@ -55,6 +56,15 @@ class UsedShare:
         """A request finished by EOS, a stop or its length (not aborted)."""
         share = min(1.0, request.num_output_tokens / token_budget(request))
         self.value += self.WEIGHT * (share - self.value)
+
+
+class ExpectedEnd(NamedTuple):
+    """A request's expected end (`PageBudget.expected_end`), in the estimate's terms."""
+
+    tokens: int  # generated tokens until it
+    at_once: int  # pages it takes at once: the rest of its prompt, a partly filled page a plane
+    per_token: float  # pages it takes per generated token after that
+    frees: int  # of the pages it holds now, those it gives back at its end (no one else's)
 
 
 class PageBudget:
@@ -98,15 +108,18 @@ class PageBudget:
         need = sum(self.kv.pages_to_grow(request.request_id, p, t) for p, t in targets.items())
         return max(0, need - self.kv.reservation(request.request_id))
 
-    def admission_cost(self, request: Request, running: list[Request]) -> int | None:
+    def admission_cost(
+        self, request: Request, running: list[Request], ends: list[ExpectedEnd] | None = None
+    ) -> int | None:
         """Pages admitting the request now takes from the pool, or None if it cannot be admitted
         now. In `incremental` mode, unless nothing runs, `kv_watermark` of the cache stays free
         and, with the learned estimate, the most pages the running requests and this one are
-        expected to take on top at any one time (`expected_peak`)."""
+        expected to take on top at any one time (`expected_peak`). `ends`: the running
+        requests' `expected_ends`, when the caller keeps them over several admissions."""
         planes = request.params.max_loops
         if request.swapped_pages is not None:
             cost = sum(request.swapped_pages) + len(self.layout.generated_planes(planes))
-            holds = cost
+            holds, shared = cost, 0
         else:
             hit = self.cached_blocks(request)
             idle_hits = self.kv.num_idle(page for block in hit for page in block)
@@ -116,52 +129,57 @@ class PageBudget:
                 start = len(hit) * self.config.block_size
                 end = min(request.num_prefill_tokens, start + self.config.prefill_chunk_size)
                 cost = planes * (pages_for(end, self.config.block_size) - len(hit)) + idle_hits
-            holds = cost - idle_hits + planes * len(hit)
+            holds, shared = cost - idle_hits + planes * len(hit), planes * len(hit)
         margin = 0
-        if running and not self.reserve:
+        if running and self.estimates:
+            if ends is None:
+                ends = self.expected_ends(running)
+            own = self.expected_end(request, holds, holds - shared)
+            margin = self.watermark + self.expected_peak([*ends, own])
+        elif running and not self.reserve:
             margin = self.watermark
-            if self.estimates:
-                holders = [(other, self.held(other)) for other in running]
-                margin += self.expected_peak([*holders, (request, holds)])
         return cost if cost + margin <= self.kv.num_available_pages else None
 
-    def held(self, request: Request) -> int:
-        """Pages a running request holds now."""
-        return sum(len(table) for table in self.kv.tables(request.request_id))
+    def expected_ends(self, running: list[Request]) -> list[ExpectedEnd]:
+        """The running requests' `expected_end`s, from the pages they hold now."""
+        return [self.expected_end(r, *self.kv.page_counts(r.request_id)) for r in running]
 
-    def expected_peak(self, holders: list[tuple[Request, int]]) -> int:
-        """The most pages, beyond those taken now, that `holders` (requests, with the pages each
-        holds) are expected to take at any one time. Each takes its prompt's missing pages at
-        once and a page per block of tokens per plane after that, until its expected end (the
-        `UsedShare` of the tokens max_tokens leaves it, at most `CLIP_TOKENS`), when it frees all
-        it holds. So the peak
-        comes just before an end; between ends, growth is counted as a straight line, with a
-        partly filled page per plane on top."""
-        block = self.config.block_size
-        share = self.used_share.value
-        ends = []  # (tokens to its end, pages taken at once, pages per token, pages held now)
-        for request, held in holders:
-            loops = request.params.max_loops
-            planes = len(self.layout.generated_planes(loops))
-            positions = request.num_prompt_tokens + request.num_output_tokens
-            now = self.layout.pages_needed(
-                loops, request.num_prompt_tokens, min(positions, self.num_positions(request)), block
-            )
-            left = min(request.params.params.max_tokens - request.num_output_tokens, CLIP_TOKENS)
-            tokens = max(1, math.ceil(share * left))
-            # Still prefilling, it takes the rest of its prompt at once; decoding, it holds all
-            # it needs now (in the shared layout it has freed its prompt-only planes).
-            at_once = max(0, now - held) if request.is_prefilling else 0
-            ends.append((tokens, at_once + planes, planes / block, held))
-        ends.sort()
-        # Just before the k-th end, the requests from k on are still growing; those before it
-        # have freed what they held.
-        at_once = sum(end[1] for end in ends)
-        per_token = sum(end[2] for end in ends)
+    def expected_end(self, request: Request, held: int, own: int) -> ExpectedEnd:
+        """When a request holding `held` pages (`own` of them referenced by it alone) is
+        expected to end (the `UsedShare` of the tokens max_tokens leaves it, at most
+        `CLIP_TOKENS`), what it takes until then, and what it frees at its end."""
+        loops = request.params.max_loops
+        planes = len(self.layout.generated_planes(loops))
+        positions = min(request.num_prompt_tokens + request.num_output_tokens,
+                        self.num_positions(request))  # fmt: skip
+        now = self.layout.pages_needed(
+            loops, request.num_prompt_tokens, positions, self.config.block_size
+        )
+        left = min(request.params.params.max_tokens - request.num_output_tokens, CLIP_TOKENS)
+        # Still prefilling, it takes the rest of its prompt at once; decoding, it holds all it
+        # needs now (in the shared layout it has freed its prompt-only planes). A partly filled
+        # page per plane goes on top of the straight line of its growth.
+        at_once = max(0, now - held) if request.is_prefilling else 0
+        return ExpectedEnd(
+            tokens=max(1, math.ceil(self.used_share.value * left)),
+            at_once=at_once + planes,
+            per_token=planes / self.config.block_size,
+            frees=own,
+        )
+
+    @staticmethod
+    def expected_peak(ends: list[ExpectedEnd]) -> int:
+        """The most pages, beyond those taken now, that requests with these `ends` are expected
+        to hold at any one time: each grows until its end, then frees its own pages. So the peak
+        comes just before an end; sorted by their ends, one pass finds it."""
+        ends = sorted(ends)
+        at_once = sum(end.at_once for end in ends)
+        per_token = sum(end.per_token for end in ends)
         freed, peak = 0, 0.0
-        for tokens, start, rate, held in ends:
-            peak = max(peak, at_once + per_token * tokens - freed)
-            at_once, per_token, freed = at_once - start, per_token - rate, freed + held
+        for end in ends:  # just before this end, it and the later ones are still growing
+            peak = max(peak, at_once + per_token * end.tokens - freed)
+            at_once, per_token = at_once - end.at_once, per_token - end.per_token
+            freed += end.frees
         return math.ceil(peak)
 
     def reservation(self, request: Request, hit_blocks: int) -> int:

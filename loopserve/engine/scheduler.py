@@ -29,7 +29,7 @@ import itertools
 
 from loopserve.config import PreemptionMode, SchedulerConfig
 from loopserve.engine.kv_manager import KVCacheManager
-from loopserve.engine.page_budget import PageBudget
+from loopserve.engine.page_budget import ExpectedEnd, PageBudget
 from loopserve.engine.prefix_cache import block_hashes
 from loopserve.engine.request_slots import RequestSlots
 from loopserve.engine.scheduler_output import (
@@ -181,14 +181,21 @@ class Scheduler:
         for request in self._by_rank(self.running):
             if request.status is RequestStatus.RUNNING and request.is_prefilling and budget > 0:
                 budget -= self._schedule_chunk(request, budget, output)
+        # The running requests' expected ends, kept over this step's admissions (the growth
+        # estimate; nothing running grows between them but the requests admitted).
+        ends = None
+        if self.pages.estimates and self.waiting and self.slots.any_free:
+            ends = self.pages.expected_ends(self.running)
         while self.waiting and self.slots.any_free and budget > 0:
             request = self._next_waiting()
-            if not self._admit(request, output):
+            if not self._admit(request, output, ends):
                 break  # strict order: a large request is not starved by smaller ones behind it
             if request.is_prefilling:
                 # Chunks scheduled above may belong to requests ranked below this one: no
                 # preemption here (a preempted request must have nothing in this step).
                 budget -= self._schedule_chunk(request, budget, output, may_preempt=False)
+            if ends is not None:
+                ends += self.pages.expected_ends([request])
         output.swap_out, self._swap_out = self._swap_out, []
         output.dropped_swaps, self._dropped_swaps = self._dropped_swaps, []
         self.slots.hand_over(output)
@@ -297,11 +304,15 @@ class Scheduler:
 
     # ----- admission, preemption, resumption -----------------------------------------------
 
-    def _admission_cost(self, request: Request) -> int | None:
-        return self.pages.admission_cost(request, self.running)
+    def _admission_cost(
+        self, request: Request, ends: list[ExpectedEnd] | None = None
+    ) -> int | None:
+        return self.pages.admission_cost(request, self.running, ends)
 
-    def _admit(self, request: Request, output: SchedulerOutput) -> bool:
-        if self._admission_cost(request) is None:
+    def _admit(
+        self, request: Request, output: SchedulerOutput, ends: list[ExpectedEnd] | None = None
+    ) -> bool:
+        if self._admission_cost(request, ends) is None:
             return False
         self.waiting.remove(request)
         for other in self.waiting:

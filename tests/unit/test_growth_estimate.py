@@ -26,6 +26,13 @@ def holder(prompt_tokens: int, max_tokens: int, outputs: int = 0) -> SimpleNames
     )  # fmt: skip
 
 
+def peak(pages: PageBudget, holders: list[tuple[SimpleNamespace, int]], shared: int = 0) -> int:
+    """`expected_peak` of requests holding these pages (the first `shared` of each are another
+    request's too)."""
+    ends = [pages.expected_end(r, held, max(0, held - shared)) for r, held in holders]  # type: ignore[arg-type]
+    return pages.expected_peak(ends)
+
+
 def budget(layout: str = "full", share: float = 1.0) -> PageBudget:
     config = SchedulerConfig(block_size=16, kv_layout=KVLayout(layout))
     pages = PageBudget(config, KVCacheManager(200, 16), lanes=1)
@@ -38,18 +45,42 @@ def test_the_expected_peak_by_hand() -> None:
     # after 33. Just before B's end both grew: 2 x (a partly filled page per plane, 4, and 9/16
     # of a page per plane, 2.25) = 12.5. Just before A's end B has freed its 4: 4 + 33/4 - 4.
     a, b = holder(16, 33), holder(16, 9)
-    assert budget().expected_peak([(a, 4), (b, 4)]) == 13
+    assert peak(budget(), [(a, 4), (b, 4)]) == 13
     # At share 0.5 they are expected to end after 17 and 5 tokens: 8 + 0.5 x 5 = 10.5.
-    assert budget(share=0.5).expected_peak([(a, 4), (b, 4)]) == 11
+    assert peak(budget(share=0.5), [(a, 4), (b, 4)]) == 11
     # A prompt not yet held is taken at once: 4 more pages than above.
-    assert budget().expected_peak([(a, 0), (b, 4)]) == 17
+    assert peak(budget(), [(a, 0), (b, 4)]) == 17
+
+
+def test_what_an_end_frees_is_what_the_request_alone_holds() -> None:
+    # B (a 32-token prompt, 8 pages) ends after its one token; A grows 200 tokens, 50 pages. The
+    # peak comes just before A's end, less what B gave back: 4 + 50 - 8. Were B's 8 pages
+    # shared with a request still running, B's end would free none: 54.
+    a, b = holder(16, 200), holder(32, 1)
+    assert peak(budget(), [(a, 4), (b, 8)]) == 46
+    assert peak(budget(), [(a, 4), (b, 8)], shared=8) == 54
+
+
+def test_pages_shared_through_the_prefix_cache_are_not_counted_as_freed() -> None:
+    """B runs long; A and A2 share its 96-token prefix and stop after 3 tokens; C comes last.
+    Counting A's and A2's shared pages as freed at their ends admitted C into a preemption."""
+    engine, _ = make_engine(num_kv_pages=1 + 62, exit_mode="trace", kv_watermark=0.0)
+    engine.scheduler.pages.used_share.value = 1.0  # requests run to max_tokens
+    prefix = list(range(100, 196))
+    engine.add_request([*prefix, 400], params(80, trace_depths=(1,) * 79), request_id="B")
+    engine.add_request([*prefix, 401], params(3, trace_depths=(1,) * 2), request_id="A")
+    engine.add_request([*prefix, 402], params(3, trace_depths=(1,) * 2), request_id="A2")
+    engine.add_request([1, 2, 3], params(80, trace_depths=(1,) * 79), request_id="C")
+    run_to_completion(engine)
+    assert engine.stats().prefix_hit_tokens > 0
+    assert engine.stats().num_preemptions == 0
 
 
 def test_a_request_is_expected_to_take_at_most_the_clip() -> None:
     """A request that leaves max_tokens at the rest of a long context counts as CLIP_TOKENS."""
     pages = budget(share=0.5)
     long, clipped = holder(16, 100_000, outputs=10), holder(16, CLIP_TOKENS + 10, outputs=10)
-    assert pages.expected_peak([(long, 4)]) == pages.expected_peak([(clipped, 4)])
+    assert peak(pages, [(long, 4)]) == peak(pages, [(clipped, 4)])
     share = UsedShare()
     share.observe(SimpleNamespace(num_output_tokens=CLIP_TOKENS // 2, params=long.params))
     assert share.value == pytest.approx(UsedShare.PRIOR + UsedShare.WEIGHT * (0.5 - 0.7))
@@ -91,14 +122,14 @@ def test_at_share_one_the_estimate_bounds_the_true_peak(layout: str, seed: int) 
         return -held if step > left else footprint(request, step) - held
 
     true_peak = max(sum(taken(r, held, step) for r, held in holders) for step in range(62))
-    assert pages.expected_peak(holders) >= true_peak
+    assert peak(pages, holders) >= true_peak
 
 
 def test_a_decoding_request_in_the_shared_layout_is_not_charged_its_freed_prompt() -> None:
     # 64 prompt tokens, decoding: 4 pages in the one plane it keeps. At share 1, 16 tokens
     # more: a page and a partly filled one, not the 3 x 4 prompt pages it freed.
     decoding = holder(64, 16, outputs=1)
-    assert budget("shared").expected_peak([(decoding, 5)]) == 2
+    assert peak(budget("shared"), [(decoding, 5)]) == 2
 
 
 def test_the_used_share_follows_finished_requests_and_not_aborted_ones() -> None:
