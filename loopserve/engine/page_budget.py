@@ -57,6 +57,14 @@ class UsedShare:
         share = min(1.0, request.num_output_tokens / token_budget(request))
         self.value += self.WEIGHT * (share - self.value)
 
+    def amend(self, request: Request, observed_outputs: int) -> None:
+        """The request was observed with `observed_outputs` outputs and has fewer now (a stop
+        string in an earlier output of the same step): its share is replaced (exactly, unless
+        other requests were observed since)."""
+        budget = token_budget(request)
+        observed = min(1.0, observed_outputs / budget)
+        self.value += self.WEIGHT * (min(1.0, request.num_output_tokens / budget) - observed)
+
 
 class ExpectedEnd(NamedTuple):
     """A request's expected end (`PageBudget.expected_end`), in the estimate's terms."""

@@ -123,12 +123,14 @@ class Scheduler:
         """A stop string ended the request at output `num_outputs`: outputs after it (a
         speculating step may report several at once) are dropped, as decoding token by token
         would never have made them."""
-        dropped = request.num_output_tokens - num_outputs
+        observed = request.num_output_tokens
         del request.output_token_ids[num_outputs:]
         del request.exit_depths[num_outputs:]
         del request.logprobs[num_outputs:]
-        self.stats.generated_tokens -= dropped
-        if request.finished:  # by a later token of the same step
+        self.stats.generated_tokens -= observed - num_outputs
+        if request.finished:  # by a later token of the same step, observed with every output
+            if request.finish_reason != "abort":
+                self.pages.used_share.amend(request, observed)
             request.finish_reason, request.stop_reason = "stop", stop_reason
         else:
             self.finish(request, "stop", stop_reason=stop_reason)

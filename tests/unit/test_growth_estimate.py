@@ -147,6 +147,16 @@ def test_the_used_share_follows_finished_requests_and_not_aborted_ones() -> None
     assert share.value == pytest.approx(expected)
 
 
+def test_a_stop_found_after_the_request_finished_amends_its_share() -> None:
+    request = holder(16, 20, outputs=10)
+    amended, direct = UsedShare(), UsedShare()
+    amended.observe(request)  # type: ignore[arg-type]
+    request.num_output_tokens = 5  # a stop string in its 5th output
+    amended.amend(request, 10)  # type: ignore[arg-type]
+    direct.observe(request)  # type: ignore[arg-type]
+    assert amended.value == pytest.approx(direct.value)
+
+
 def preempting_run(estimate: str) -> tuple[Engine, dict[str, list[int]]]:
     """Eight requests that run to max_tokens on a cache that holds three at their full length."""
     engine, _ = make_engine(

@@ -42,6 +42,24 @@ def test_growth_beyond_the_pool_is_refused() -> None:
     kv.check_invariants()
 
 
+def test_page_counts_say_what_freeing_would_give_back() -> None:
+    kv = KVCacheManager(num_pages=20, block_size=4)
+    hashes = block_hashes(list(range(12)), 4)  # three full blocks
+    kv.admit("a", num_planes=2)
+    for plane in range(2):
+        kv.grow("a", plane, 12)
+        for block, block_hash in enumerate(hashes):
+            kv.register("a", plane, block, block_hash)
+    kv.admit("b", num_planes=2)
+    kv.share_prefix("b", kv.cached_prefix(hashes[:2], num_planes=2))
+    # a gives back its third blocks; b nothing (every page shared) until it has its own.
+    assert kv.page_counts("a") == (6, 2) and kv.page_counts("b") == (4, 0)
+    kv.grow("b", 0, 12)
+    assert kv.page_counts("b") == (5, 1)
+    kv.free("a")
+    assert kv.page_counts("b") == (5, 5)  # nobody else references its pages now
+
+
 def test_prefix_pages_are_shared_counted_and_reused_last() -> None:
     kv = KVCacheManager(num_pages=12, block_size=4)
     hashes = block_hashes(list(range(12)), 4)  # three full blocks
