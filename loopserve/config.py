@@ -129,11 +129,12 @@ class SchedulerConfig:
     )
     kv_growth_estimate: GrowthEstimate = setting(
         GrowthEstimate.LEARNED,
-        "incremental: learned: admission also keeps free the pages running requests (and the "
-        "new one) are expected to take, each one's remaining max_tokens times the share of "
-        "max_tokens finished requests generated (SGLang's new-token ratio; 0.7 until requests "
-        "finish), so workloads that run to max_tokens are not admitted into preemption; none: "
-        "only the first prompt chunk and kv_watermark are counted (vLLM's rule)",
+        "incremental: learned: admission also keeps free the most pages the running requests "
+        "and the new one are expected to take at once, each expected to generate the share of "
+        "max_tokens (at most 4096) that finished requests generated (SGLang's new-token ratio, "
+        "measured; 0.7 until requests finish) and then free its pages, so workloads that run to "
+        "max_tokens are not admitted into preemption; none: only the first prompt chunk and "
+        "kv_watermark are counted (vLLM's rule)",
     )
     prefix_caching: bool = setting(
         True, "reuse the KV pages of prompt prefixes already computed (full pages, every plane)"
