@@ -42,14 +42,19 @@ def test_growth_beyond_the_pool_is_refused() -> None:
     kv.check_invariants()
 
 
+def cached_request(kv: KVCacheManager, request_id: str, hashes: list[bytes]) -> None:
+    """Admit a request of two planes whose prompt is `hashes`' blocks, all in the cache."""
+    kv.admit(request_id, num_planes=2)
+    for plane in range(2):
+        kv.grow(request_id, plane, len(hashes) * kv.block_size)
+        for block, block_hash in enumerate(hashes):
+            kv.register(request_id, plane, block, block_hash)
+
+
 def test_page_counts_say_what_freeing_would_give_back() -> None:
     kv = KVCacheManager(num_pages=20, block_size=4)
     hashes = block_hashes(list(range(12)), 4)  # three full blocks
-    kv.admit("a", num_planes=2)
-    for plane in range(2):
-        kv.grow("a", plane, 12)
-        for block, block_hash in enumerate(hashes):
-            kv.register("a", plane, block, block_hash)
+    cached_request(kv, "a", hashes)
     kv.admit("b", num_planes=2)
     kv.share_prefix("b", kv.cached_prefix(hashes[:2], num_planes=2))
     # a gives back its third blocks; b nothing (every page shared) until it has its own.
@@ -63,11 +68,7 @@ def test_page_counts_say_what_freeing_would_give_back() -> None:
 def test_prefix_pages_are_shared_counted_and_reused_last() -> None:
     kv = KVCacheManager(num_pages=12, block_size=4)
     hashes = block_hashes(list(range(12)), 4)  # three full blocks
-    kv.admit("a", num_planes=2)
-    for plane in range(2):
-        kv.grow("a", plane, 12)
-        for block, block_hash in enumerate(hashes):
-            kv.register("a", plane, block, block_hash)
+    cached_request(kv, "a", hashes)
     hit = kv.cached_prefix(hashes[:2], num_planes=2)
     assert hit == [
         [kv.tables("a")[0][0], kv.tables("a")[1][0]],
