@@ -142,8 +142,8 @@ class PageBudget:
         if running and self.estimates:
             if ends is None:
                 ends = self.expected_ends(running)
-            own = self.expected_end(request, holds, holds - shared)
-            margin = self.watermark + self.expected_peak([*ends, own])
+            candidate = self.expected_end(request, holds, holds - shared)
+            margin = self.watermark + self.expected_peak([*ends, candidate])
         elif running and not self.reserve:
             margin = self.watermark
         return cost if cost + margin <= self.kv.num_available_pages else None
