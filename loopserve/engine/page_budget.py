@@ -10,15 +10,16 @@ scheduler allocates, frees and preempts), or import torch.
 
 The estimate is SGLang's new-token ratio turned into a measurement. Admitting on the first prompt
 chunk alone (vLLM's rule, `kv_growth_estimate="none"`) fills the pool with prompts whose outputs
-then have no room: each preemption after that throws work away (a recompute runs the prompt
-again). Counting every request's whole max_tokens at once is `reserve` mode, which admits too
-few where requests stop early at EOS, and more than needed even where they do not, since they end
-at different times. So admission keeps free the peak of what the running requests and the new
-one are expected to take: each is expected to run the share of its remaining max_tokens that
-finished requests actually generated (an average that moves a tenth of the way to each new one,
-0.7 before any finished), growing until then and freeing all it holds at its end. Where requests
-run to max_tokens the share tends to 1 and nothing is admitted that would be preempted later;
-where they stop at a tenth of max_tokens it tends to 0.1 and admission is nearly vLLM's.
+then have no room: each preemption after that throws work away (a recompute runs the prompt again).
+Counting every request's whole max_tokens at once is `reserve` mode, which admits too few where
+requests stop early at EOS, and more than needed even where they do not, since they end at different
+times. So admission keeps free the peak of what the running requests and the new one are expected to
+take: each is expected to run the share of its remaining max_tokens that finished requests actually
+generated (an average that moves a tenth of the way to each new one, 0.7 before any finished),
+growing until then and freeing its own pages at its end (prompt blocks shared through the prefix
+cache stay with the others). Where requests run to max_tokens the share tends to 1 and nothing is
+admitted that would be preempted later; where they stop at a tenth of max_tokens it tends to 0.1 and
+admission is nearly vLLM's.
 """
 
 from __future__ import annotations
@@ -54,16 +55,18 @@ class UsedShare:
 
     def observe(self, request: Request) -> None:
         """A request finished by EOS, a stop or its length (not aborted)."""
-        share = min(1.0, request.num_output_tokens / token_budget(request))
-        self.value += self.WEIGHT * (share - self.value)
+        self.value += self.WEIGHT * (self._share(request, request.num_output_tokens) - self.value)
 
     def amend(self, request: Request, observed_outputs: int) -> None:
         """The request was observed with `observed_outputs` outputs and has fewer now (a stop
         string in an earlier output of the same step): its share is replaced (exactly, unless
         other requests were observed since)."""
-        budget = token_budget(request)
-        observed = min(1.0, observed_outputs / budget)
-        self.value += self.WEIGHT * (min(1.0, request.num_output_tokens / budget) - observed)
+        now = self._share(request, request.num_output_tokens)
+        self.value += self.WEIGHT * (now - self._share(request, observed_outputs))
+
+    @staticmethod
+    def _share(request: Request, outputs: int) -> float:
+        return min(1.0, outputs / token_budget(request))
 
 
 class ExpectedEnd(NamedTuple):
@@ -139,13 +142,13 @@ class PageBudget:
                 cost = planes * (pages_for(end, self.config.block_size) - len(hit)) + idle_hits
             holds, shared = cost - idle_hits + planes * len(hit), planes * len(hit)
         margin = 0
-        if running and self.estimates:
-            if ends is None:
-                ends = self.expected_ends(running)
-            candidate = self.expected_end(request, holds, holds - shared)
-            margin = self.watermark + self.expected_peak([*ends, candidate])
-        elif running and not self.reserve:
+        if running and not self.reserve:
             margin = self.watermark
+            if self.estimates:
+                if ends is None:
+                    ends = self.expected_ends(running)
+                candidate = self.expected_end(request, holds, holds - shared)
+                margin += self.expected_peak([*ends, candidate])
         return cost if cost + margin <= self.kv.num_available_pages else None
 
     def expected_ends(self, running: list[Request]) -> list[ExpectedEnd]:
