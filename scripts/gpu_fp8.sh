@@ -17,9 +17,12 @@
 #             per-kernel time of one decode loop ($OUT/budget.jsonl); not in the default set
 #   table     python -m benchmarks.attention_table --kv-cache-dtype fp8 (Triton; decode 8 and 128
 #             rows x 8192, an 8,192-token prefill) ($OUT/table-fp8.md); not in the default set
+#   sweep     python -m benchmarks.decode_sweep --kv-cache-dtype fp8 at 1, 8 and 128 rows x 640
+#             and 8192 tokens: which decode tiling an fp8 cache wants, the one-row cases included
+#             ($OUT/sweep-fp8.md; docs/quantization.md); not in the default set
 # Run from the repository root:  OUT=$OUT PARTS="matmul tests" bash scripts/gpu_fp8.sh
 # Budget: matmul ~2 min, fp8tests ~3, tests ~5, weights ~2.5, both ~1.5, kv ~3, capacity ~1.5,
-# budget ~1.5 (not timed yet), table ~0.3.
+# budget ~0.5, table ~0.3, sweep ~2.
 set -uo pipefail
 
 OUT="${OUT:-$PWD/fp8-out}"
@@ -96,5 +99,12 @@ if part table; then
     >"$OUT/table-fp8.log" 2>&1
   say "table rc=$?"
   cat "$OUT/table-fp8.md" 2>/dev/null | tee -a "$LOG"
+fi
+if part sweep; then
+  timeout 200 "$PYTHON" -m benchmarks.decode_sweep --kv-cache-dtype fp8 --rows 1,8,128 \
+    --contexts 640,8192 --budget-s 150 --out "$OUT/sweep-fp8.jsonl" --tables "$OUT/sweep-fp8.md" \
+    >"$OUT/sweep-fp8.log" 2>&1
+  say "sweep rc=$?"
+  head -30 "$OUT/sweep-fp8.md" 2>/dev/null | tee -a "$LOG"
 fi
 say "done"
