@@ -101,8 +101,14 @@ class KVCacheManager:
 
     def pages_to_grow(self, request_id: str, plane: int, num_tokens: int) -> int:
         """New pages `grow(request_id, plane, num_tokens)` would take."""
-        table = self._requests[request_id].tables[plane]
-        return max(0, pages_for(num_tokens, self.block_size) - len(table))
+        return self.pages_to_grow_planes(request_id, (plane,), num_tokens)
+
+    def pages_to_grow_planes(self, request_id: str, planes: Iterable[int], num_tokens: int) -> int:
+        """New pages growing each of `planes` to `num_tokens` positions would take in all (one
+        lookup: the scheduler asks this of every decoding request every step)."""
+        tables = self._requests[request_id].tables
+        pages = pages_for(num_tokens, self.block_size)
+        return sum(max(0, pages - len(tables[plane])) for plane in planes)
 
     def grow(self, request_id: str, plane: int, num_tokens: int) -> tuple[int, list[int]]:
         """Extend a plane's table to cover `num_tokens` positions.

@@ -105,19 +105,29 @@ class PageBudget:
         return request.num_prompt_tokens + request.params.params.max_tokens - 1
 
     def decode_targets(self, request: Request) -> dict[int, int]:
-        """Tokens each plane must cover before the next decode step: up to the position after
-        the in-flight token (the step may run one token ahead of the host). A speculating
-        request's step may be `lanes` tokens ahead and run `lanes` positions from there."""
-        tokens = min(request.position + 2 * self.lanes, self.num_positions(request))
+        """Tokens each plane must cover before the next decode step (`_decode_tokens`)."""
+        tokens = self._decode_tokens(request)
         return {plane: tokens for plane in self.layout.generated_planes(request.params.max_loops)}
+
+    def decode_pages(self, request: Request) -> int:
+        """New pages `decode_targets` takes, reservation included (0: the tables cover the next
+        step already, as in most steps, a page holding `block_size` positions)."""
+        planes = self.layout.generated_planes(request.params.max_loops)
+        tokens = self._decode_tokens(request)
+        return self.kv.pages_to_grow_planes(request.request_id, planes, tokens)
 
     def decode_growth(self, request: Request) -> int:
         """Pages the request's next decode step takes from the pool (0 when not decoding)."""
         if not request.is_decoding:
             return 0
-        targets = self.decode_targets(request)
-        need = sum(self.kv.pages_to_grow(request.request_id, p, t) for p, t in targets.items())
-        return max(0, need - self.kv.reservation(request.request_id))
+        need = self.decode_pages(request)
+        return max(0, need - self.kv.reservation(request.request_id)) if need else 0
+
+    def _decode_tokens(self, request: Request) -> int:
+        """Up to the position after the in-flight token (the step may run one token ahead of
+        the host). A speculating request's step may be `lanes` tokens ahead and run `lanes`
+        positions from there."""
+        return min(request.position + 2 * self.lanes, self.num_positions(request))
 
     def admission_cost(
         self, request: Request, running: list[Request], ends: list[ExpectedEnd] | None = None

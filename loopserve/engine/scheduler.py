@@ -267,6 +267,8 @@ class Scheduler:
                 output.page_updates.append(PageTableUpdate(request.slot, plane, start, pages))
 
     def _cover_decode(self, request: Request, output: SchedulerOutput) -> None:
+        if not self.pages.decode_pages(request):
+            return  # its tables cover the next step (nothing to grow, so nothing to preempt)
         targets = self.pages.decode_targets(request)
         if self._ensure_pages(request, targets, output):
             self._grow(request, targets, output)

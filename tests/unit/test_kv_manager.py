@@ -28,6 +28,18 @@ def test_reserve_grow_release_free() -> None:
     assert kv.num_free_pages == 19 and kv.num_available_pages == 19
 
 
+def test_pages_to_grow_over_planes_sums_each_plane() -> None:
+    kv = KVCacheManager(num_pages=30, block_size=4)
+    kv.admit("a", num_planes=3)
+    kv.grow("a", 0, 9)  # 3 pages
+    kv.grow("a", 2, 4)  # 1 page; plane 1 has none
+    for tokens in (0, 4, 9, 12, 13, 20):
+        alone = [kv.pages_to_grow("a", plane, tokens) for plane in range(3)]
+        assert kv.pages_to_grow_planes("a", range(3), tokens) == sum(alone)
+        assert kv.pages_to_grow_planes("a", (0, 2), tokens) == alone[0] + alone[2]
+    assert kv.pages_to_grow_planes("a", range(3), 9) == 0 + 3 + 2
+
+
 def test_growth_beyond_the_pool_is_refused() -> None:
     kv = KVCacheManager(num_pages=10, block_size=4)
     kv.admit("a", 1, reserve=8)
